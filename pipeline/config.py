@@ -1,0 +1,184 @@
+"""params.yaml → frozen dataclasses. All validation and every user-facing configuration error lives here.
+
+Stages receive typed, already-validated options; nothing downstream re-reads params.yaml or checks a value again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import KilnError
+
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+class _Reader:
+    """Walks a nested mapping and raises one clear error naming the file and the dotted key."""
+
+    def __init__(self, source: Path, data: Any, where: str = "") -> None:
+        self.source, self.data, self.where = source, data, where
+
+    def fail(self, key: str, problem: str, hint: str) -> KilnError:
+        dotted = f"{self.where}.{key}" if self.where else key
+        return KilnError(f"{self.source}: {dotted}: {problem}", hint)
+
+    def section(self, key: str) -> "_Reader":
+        value = self.get(key, dict)
+        return _Reader(self.source, value, f"{self.where}.{key}" if self.where else key)
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., hint: str = "") -> Any:
+        if not isinstance(self.data, dict):
+            raise KilnError(f"{self.source}: {self.where or 'top level'} must be a mapping", "fix the YAML structure")
+        if key not in self.data:
+            if default is ...:
+                raise self.fail(key, "missing", hint or f"add `{key}:` (see the defaults in the repository's params.yaml)")
+            return default
+        value = self.data[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
+            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise self.fail(key, f"must be {names}, got {value!r}", hint or "fix the value in params.yaml")
+        return value
+
+    def number(self, key: str, lo: float | None = None, hi: float | None = None, default: Any = ...) -> float:
+        value = self.get(key, float, default)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise self.fail(key, f"{value} is outside [{lo}, {hi}]", "choose a value in range")
+        return value
+
+    def integer(self, key: str, lo: int | None = None, default: Any = ...) -> int:
+        value = self.get(key, int, default)
+        if lo is not None and value < lo:
+            raise self.fail(key, f"{value} must be ≥ {lo}", "choose a larger value")
+        return value
+
+
+@dataclass(frozen=True)
+class Augment:
+    max_rotation_deg: float
+    max_scale: float
+    max_shift: float
+    flip: bool
+    brightness: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class SetSpec:
+    name: str
+    per_photo: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    photos: Path
+    chip_size: int
+    template: tuple[tuple[float, float], ...]
+    min_face_size: int
+    augment: Augment
+    sets: dict[str, SetSpec]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    factory: str          # "module:callable", called with the weights path
+    weights: Path
+    input_shape: tuple[int, ...]
+    verify_threshold: float
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    opset: int
+    exporter: str
+    parity_max_abs: float
+    parity_min_cosine: float
+
+
+@dataclass(frozen=True)
+class Config:
+    source: Path
+    raw: dict[str, Any]
+    assets_dir: Path
+    data: DataConfig
+    models: dict[str, ModelConfig]
+    export: ExportConfig
+
+    def model(self, name: str) -> ModelConfig:
+        if name not in self.models:
+            raise KilnError(f"{self.source}: models: no model named {name!r}",
+                            f"known models: {', '.join(sorted(self.models))}")
+        return self.models[name]
+
+    def section(self, *keys: str) -> Any:
+        """The raw values of one section, for the params hash recorded in manifests."""
+        value: Any = self.raw
+        for k in keys:
+            value = value[k]
+        return value
+
+
+def _pairs(r: _Reader, key: str, n: int | None = None) -> tuple[tuple[float, float], ...]:
+    value = r.get(key, list)
+    ok = all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p) for p in value)
+    if not ok or (n is not None and len(value) != n):
+        raise r.fail(key, f"must be a list of {n or 'N'} [x, y] pairs", "e.g. [[46.4, 44.1], ...]")
+    return tuple((float(x), float(y)) for x, y in value)
+
+
+def _data(r: _Reader) -> DataConfig:
+    a = r.section("augment")
+    bright = a.get("brightness", list)
+    if len(bright) != 2 or not all(isinstance(v, (int, float)) for v in bright) or not 0 < bright[0] <= bright[1]:
+        raise a.fail("brightness", f"must be [low, high] with 0 < low ≤ high, got {bright!r}", "e.g. [0.75, 1.25]")
+    augment = Augment(a.number("max_rotation_deg", 0, 45), a.number("max_scale", 0, 0.5),
+                      a.number("max_shift", 0, 0.5), a.get("flip", bool), (float(bright[0]), float(bright[1])))
+    s = r.section("sets")
+    sets = {}
+    for name in ("golden", "calibration"):
+        spec = s.section(name)
+        sets[name] = SetSpec(name, spec.integer("per_photo", 1), spec.integer("seed", 0))
+    return DataConfig(Path(r.get("photos", str)), r.integer("chip_size", 16), _pairs(r, "template", 5),
+                      r.integer("min_face_size", 12), augment, sets)
+
+
+def _model(name: str, r: _Reader) -> ModelConfig:
+    factory = r.get("factory", str)
+    if ":" not in factory:
+        raise r.fail("factory", f"{factory!r} is not 'module:callable'", "e.g. pipeline.models.dlib_resnet:build_embedder")
+    shape = r.get("input_shape", list)
+    if not shape or not all(isinstance(v, int) and v > 0 for v in shape):
+        raise r.fail("input_shape", f"must be positive integers (C, H, W), got {shape!r}", "e.g. [3, 150, 150]")
+    return ModelConfig(name, factory, Path(r.get("weights", str)), tuple(shape), r.number("verify_threshold", 0))
+
+
+def _export(r: _Reader) -> ExportConfig:
+    exporter = r.get("exporter", str)
+    if exporter not in ("torchscript", "dynamo"):
+        raise r.fail("exporter", f"unknown exporter {exporter!r}", "use torchscript or dynamo")
+    opset = r.integer("opset", 17)
+    p = r.section("parity")
+    return ExportConfig(opset, exporter, p.number("max_abs", 0), p.number("min_cosine", -1, 1))
+
+
+def load(path: Path = DEFAULT_PARAMS) -> Config:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise KilnError(f"{path}: not found", "run kiln from the repository root, or pass --params PATH") from None
+    except yaml.YAMLError as e:
+        raise KilnError(f"{path}: invalid YAML: {e}".splitlines()[0], "fix the YAML syntax") from None
+    r = _Reader(path, raw)
+    if not isinstance(raw, dict):
+        raise KilnError(f"{path}: must be a mapping of sections", "see the repository's params.yaml")
+    models_r = r.section("models")
+    models = {name: _model(name, models_r.section(name)) for name in models_r.data}
+    return Config(path, raw, Path(r.section("assets").get("dir", str)), _data(r.section("data")), models,
+                  _export(r.section("export")))

@@ -1,0 +1,83 @@
+"""5-point similarity alignment: landmarks → a chip on a fixed template, as an exportable graph.
+
+`fit_similarity` solves (least squares, closed form) the similarity transform that maps template points onto the
+detected landmarks; `Aligner` is the warp itself — `affine_grid`-style sampling grid + `grid_sample` (bilinear) —
+so it exports to ONNX (GridSample, opset ≥ 16) and compiles like any other graph.
+
+Coordinates are pixel centres: chip pixel (u, v) samples the image at `M @ [u, v, 1]`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def fit_similarity(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """2×3 matrix M of the similarity (rotation, uniform scale, translation) with M @ [src, 1] ≈ dst.
+
+    Solves x' = a·x − b·y + tx, y' = b·x + a·y + ty in the least-squares sense.
+    """
+    src, dst = np.asarray(src, np.float64), np.asarray(dst, np.float64)
+    if src.shape != dst.shape or src.ndim != 2 or src.shape[1] != 2 or len(src) < 2:
+        raise ValueError(f"need two matching (N≥2, 2) point sets, got {src.shape} and {dst.shape}")
+    n = len(src)
+    a = np.zeros((2 * n, 4))
+    a[0::2] = np.column_stack([src[:, 0], -src[:, 1], np.ones(n), np.zeros(n)])
+    a[1::2] = np.column_stack([src[:, 1], src[:, 0], np.zeros(n), np.ones(n)])
+    (p, q, tx, ty), *_ = np.linalg.lstsq(a, dst.reshape(-1), rcond=None)
+    return np.array([[p, -q, tx], [q, p, ty]])
+
+
+def jitter(size: int, rotation_deg: float, scale: float, shift_x: float, shift_y: float) -> np.ndarray:
+    """A 3×3 similarity on chip coordinates about the chip centre: rotate, zoom by (1+scale), shift (pixels)."""
+    c = (size - 1) / 2.0
+    th = np.deg2rad(rotation_deg)
+    s = 1.0 + scale
+    r = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]]) / s
+    m = np.eye(3)
+    m[:2, :2] = r
+    m[:2, 2] = np.array([c, c]) - r @ np.array([c, c]) + np.array([shift_x, shift_y])
+    return m
+
+
+class Aligner(nn.Module):
+    """image (1, 3, H, W) float, theta (N, 2, 3) chip→image pixel transforms → chips (N, 3, S, S).
+
+    Bilinear sampling, border padding. The sampling grid is built inside the graph so H and W may vary.
+    """
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        v, u = torch.meshgrid(torch.arange(size, dtype=torch.float32), torch.arange(size, dtype=torch.float32),
+                              indexing="ij")
+        self.size = size
+        self.register_buffer("base", torch.stack([u, v, torch.ones_like(u)], -1).reshape(1, size * size, 3))
+
+    def forward(self, image: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+        n = theta.shape[0]
+        pts = torch.matmul(self.base, theta.transpose(1, 2))             # (N, S*S, 2) image pixel coords
+        hw = torch.tensor(image.shape[-2:], dtype=torch.float32).flip(0)  # (W, H)
+        grid = (2.0 * pts + 1.0) / hw - 1.0                             # pixel centres → [-1, 1], align_corners=False
+        grid = grid.reshape(n, self.size, self.size, 2)
+        return F.grid_sample(image.expand(n, -1, -1, -1), grid, mode="bilinear", padding_mode="border",
+                             align_corners=False)
+
+
+def chip_transform(landmarks: np.ndarray, template: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
+    """The chip→image 2×3 transform for one face: template fitted onto landmarks, then an optional chip jitter."""
+    m = np.vstack([fit_similarity(template, landmarks), [0, 0, 1]])
+    if extra is not None:
+        m = m @ extra
+    return m[:2].astype(np.float32)
+
+
+def align(rgb: np.ndarray, thetas: np.ndarray, size: int, aligner: Aligner | None = None) -> np.ndarray:
+    """Warp an HWC uint8 image into N chips (N, S, S, 3) float32 in 0..255 with the reference (PyTorch) graph."""
+    aligner = aligner or Aligner(size)
+    img = torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1))).float().unsqueeze(0)
+    with torch.no_grad():
+        chips = aligner(img, torch.from_numpy(np.asarray(thetas, np.float32)))
+    return chips.permute(0, 2, 3, 1).numpy()

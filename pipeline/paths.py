@@ -1,0 +1,23 @@
+"""Where each stage's artifacts live (dvc.yaml declares the same paths as outs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ARTIFACTS = Path("artifacts")
+
+
+def data_set(name: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "data" / name
+
+
+def golden(model: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "golden" / model
+
+
+def export(model: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "export" / model
+
+
+def mtcnn_weights(assets_dir: Path) -> tuple[Path, Path, Path]:
+    return tuple(Path(assets_dir) / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet"))

@@ -1,0 +1,145 @@
+"""MTCNN: weights load, detection on the test portraits, O-Net on lfw_subset, NMS, ONNX parity."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pipeline.models import mtcnn as M
+
+PHOTOS = ["person_a_1", "person_a_2", "person_b_1", "person_b_2", "impostor_1", "impostor_2"]
+
+
+def assets_dir() -> Path:
+    """$KILN_ASSETS_DIR, else <repo>/artifacts/assets, else /tmp/assets/x (first one that exists)."""
+    if os.environ.get("KILN_ASSETS_DIR"):
+        return Path(os.environ["KILN_ASSETS_DIR"])
+    repo_assets = Path(__file__).resolve().parents[1] / "artifacts" / "assets"
+    return repo_assets if repo_assets.is_dir() else Path("/tmp/assets/x")
+
+
+@pytest.fixture(scope="module")
+def assets() -> Path:
+    d = assets_dir()
+    if not all((d / f"{n}.pt").is_file() for n in ("pnet", "rnet", "onet")):
+        pytest.skip(f"MTCNN state dicts not found in {d} (set KILN_ASSETS_DIR)")
+    return d
+
+
+@pytest.fixture(scope="module")
+def nets(assets: Path) -> tuple[M.PNet, M.RNet, M.ONet]:
+    return M.load_nets(assets / "pnet.pt", assets / "rnet.pt", assets / "onet.pt")
+
+
+def _photo(assets: Path, name: str) -> np.ndarray:
+    return np.asarray(Image.open(assets / f"{name}.jpg").convert("RGB"))
+
+
+def test_parameter_counts_and_strict_load(assets, nets):
+    counts = [sum(p.numel() for p in net.parameters()) for net in nets]
+    assert counts == [6_632, 100_178, 389_040]
+    for net, name in zip(nets, ("pnet", "rnet", "onet")):
+        state = torch.load(assets / f"{name}.pt", map_location="cpu", weights_only=True)
+        result = type(net)().load_state_dict(state, strict=True)
+        assert not result.missing_keys and not result.unexpected_keys
+        assert not net.training
+
+
+@pytest.mark.parametrize("name", PHOTOS)
+def test_one_face_per_portrait(assets, nets, name):
+    faces = M.detect(_photo(assets, name), *nets)
+    assert len(faces) == 1, [f.score for f in faces]
+    face = faces[0]
+    assert face.score > 0.9
+    x1, y1, x2, y2 = face.box
+    lm = face.landmarks
+    assert lm.shape == (5, 2)
+    assert np.all((lm[:, 0] > x1) & (lm[:, 0] < x2) & (lm[:, 1] > y1) & (lm[:, 1] < y2))
+    left_eye, right_eye, nose, mouth_l, mouth_r = lm
+    assert left_eye[0] < right_eye[0] and mouth_l[0] < mouth_r[0]
+    assert max(left_eye[1], right_eye[1]) < min(mouth_l[1], mouth_r[1])
+    assert min(left_eye[1], right_eye[1]) < nose[1] < max(mouth_l[1], mouth_r[1])
+
+
+def test_onet_separates_lfw_subset_faces_from_non_faces(nets):
+    skimage_data = pytest.importorskip("skimage.data")
+    grey = skimage_data.lfw_subset()  # 100 faces, then 100 non-faces; 25x25 floats in [0, 1]
+    assert grey.shape == (200, 25, 25)
+    rgb = np.stack([
+        np.asarray(Image.fromarray(np.round(g * 255).astype(np.uint8)).resize((48, 48), Image.BILINEAR).convert("RGB"))
+        for g in grey
+    ])
+    prob = M.torch_runner(nets[2])(M.preprocess(rgb))[-1][:, 1]
+    assert (prob[:100] > 0.7).sum() >= 95
+    assert (prob[100:] > 0.7).sum() <= 5
+
+
+def test_nms_hand_made_case():
+    boxes = np.array([[0, 0, 10, 10], [1, 1, 11, 11], [20, 20, 30, 30], [0, 0, 5, 5]], dtype=float)
+    scores = np.array([0.9, 0.8, 0.7, 0.95])
+    # IoU(A,B) = 81/119 = 0.68; IoU(A,D) = 0.25 but D lies inside A (min-overlap 1.0); C overlaps nothing.
+    assert M.nms(boxes, scores, 0.5).tolist() == [3, 0, 2]
+    assert M.nms(boxes, scores, 0.7).tolist() == [3, 0, 1, 2]
+    assert M.nms(boxes, scores, 0.5, mode="min").tolist() == [3, 2]
+    assert M.nms(np.zeros((0, 4)), np.zeros(0), 0.5).size == 0
+
+
+def test_area_resize_matches_torch_area_interpolation():
+    img = np.random.default_rng(0).integers(0, 256, (57, 83, 3)).astype(np.uint8)
+    ours = M._area_resize(M._integral(img), [0], [57], [0], [83], 13, 29)[0]
+    ref = torch.nn.functional.interpolate(torch.from_numpy(img).permute(2, 0, 1)[None].float(), (13, 29), mode="area")
+    np.testing.assert_allclose(ours, ref[0].permute(1, 2, 0).numpy(), atol=1e-3)
+
+
+def test_pyramid_and_empty_image(nets):
+    cfg = M.DetectorConfig(min_face_size=40)
+    scales = M.pyramid_scales(400, 300, cfg)
+    assert scales[0] == pytest.approx(0.3) and 300 * scales[-1] >= 12 > 300 * scales[-1] * cfg.factor
+    assert M.detect(np.zeros((120, 160, 3), np.uint8), *nets, cfg) == []
+
+
+@pytest.fixture(scope="module")
+def onnx_runners(nets, tmp_path_factory):
+    ort = pytest.importorskip("onnxruntime")
+    out, runners = tmp_path_factory.mktemp("onnx"), []
+    specs = [(nets[0], (1, 3, 40, 30), ["reg", "prob"], {0: "n", 2: "h", 3: "w"}),
+             (nets[1], (2, 3, 24, 24), ["reg", "prob"], {0: "n"}),
+             (nets[2], (2, 3, 48, 48), ["reg", "landmarks", "prob"], {0: "n"})]
+    for net, shape, names, axes in specs:
+        path = out / f"{type(net).__name__}.onnx"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter is "legacy"
+            torch.onnx.export(net, (torch.zeros(shape),), str(path), dynamo=False, opset_version=17,
+                              input_names=["x"], output_names=names,
+                              dynamic_axes={"x": axes, **{n: {0: "n"} for n in names}})
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        runners.append(lambda x, s=sess: tuple(s.run(None, {"x": x})))
+    return runners
+
+
+@pytest.mark.parametrize("index, shapes", [(0, [(1, 3, 12, 12), (3, 3, 97, 61)]),
+                                           (1, [(1, 3, 24, 24), (7, 3, 24, 24)]),
+                                           (2, [(1, 3, 48, 48), (5, 3, 48, 48)])])
+def test_onnx_export_matches_torch(nets, onnx_runners, index, shapes):
+    rng = np.random.default_rng(index)
+    for shape in shapes:
+        x = rng.uniform(-1, 1, shape).astype(np.float32)
+        expected, got = M.torch_runner(nets[index])(x), onnx_runners[index](x)
+        assert [e.shape for e in expected] == [g.shape for g in got]
+        for e, g in zip(expected, got):
+            np.testing.assert_allclose(g, e, atol=1e-4, rtol=0)
+
+
+def test_onnx_runtime_sessions_plug_into_detect(assets, nets, onnx_runners):
+    rgb = _photo(assets, "person_b_1")
+    (expected,), (got,) = M.detect(rgb, *nets), M.detect(rgb, *onnx_runners)
+    np.testing.assert_allclose(got.box, expected.box, atol=0.01)
+    np.testing.assert_allclose(got.landmarks, expected.landmarks, atol=0.01)
