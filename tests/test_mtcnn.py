@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
@@ -16,44 +15,38 @@ from pipeline.models import mtcnn as M
 PHOTOS = ["person_a_1", "person_a_2", "person_b_1", "person_b_2", "impostor_1", "impostor_2"]
 
 
-def assets_dir() -> Path:
-    """$KILN_ASSETS_DIR, else <repo>/artifacts/assets, else /tmp/assets/x (first one that exists)."""
-    if os.environ.get("KILN_ASSETS_DIR"):
-        return Path(os.environ["KILN_ASSETS_DIR"])
-    repo_assets = Path(__file__).resolve().parents[1] / "artifacts" / "assets"
-    return repo_assets if repo_assets.is_dir() else Path("/tmp/assets/x")
+@pytest.fixture(scope="module")
+def photos(assets_dir: Path) -> dict[str, Path]:
+    return {p.stem: p for p in (assets_dir / "photos").rglob("*.jpg")}
 
 
 @pytest.fixture(scope="module")
-def assets() -> Path:
-    d = assets_dir()
-    if not all((d / f"{n}.pt").is_file() for n in ("pnet", "rnet", "onet")):
-        pytest.skip(f"MTCNN state dicts not found in {d} (set KILN_ASSETS_DIR)")
-    return d
+def weights(assets_dir: Path) -> list[Path]:
+    return [assets_dir / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet")]
 
 
 @pytest.fixture(scope="module")
-def nets(assets: Path) -> tuple[M.PNet, M.RNet, M.ONet]:
-    return M.load_nets(assets / "pnet.pt", assets / "rnet.pt", assets / "onet.pt")
+def nets(weights: list[Path]) -> tuple[M.PNet, M.RNet, M.ONet]:
+    return M.load_nets(*weights)
 
 
-def _photo(assets: Path, name: str) -> np.ndarray:
-    return np.asarray(Image.open(assets / f"{name}.jpg").convert("RGB"))
+def _photo(photos: dict[str, Path], name: str) -> np.ndarray:
+    return np.asarray(Image.open(photos[name]).convert("RGB"))
 
 
-def test_parameter_counts_and_strict_load(assets, nets):
+def test_parameter_counts_and_strict_load(weights, nets):
     counts = [sum(p.numel() for p in net.parameters()) for net in nets]
     assert counts == [6_632, 100_178, 389_040]
-    for net, name in zip(nets, ("pnet", "rnet", "onet")):
-        state = torch.load(assets / f"{name}.pt", map_location="cpu", weights_only=True)
+    for net, path in zip(nets, weights):
+        state = torch.load(path, map_location="cpu", weights_only=True)
         result = type(net)().load_state_dict(state, strict=True)
         assert not result.missing_keys and not result.unexpected_keys
         assert not net.training
 
 
 @pytest.mark.parametrize("name", PHOTOS)
-def test_one_face_per_portrait(assets, nets, name):
-    faces = M.detect(_photo(assets, name), *nets)
+def test_one_face_per_portrait(nets, photos, name):
+    faces = M.detect(_photo(photos, name), *nets)
     assert len(faces) == 1, [f.score for f in faces]
     face = faces[0]
     assert face.score > 0.9
@@ -138,8 +131,8 @@ def test_onnx_export_matches_torch(nets, onnx_runners, index, shapes):
             np.testing.assert_allclose(g, e, atol=1e-4, rtol=0)
 
 
-def test_onnx_runtime_sessions_plug_into_detect(assets, nets, onnx_runners):
-    rgb = _photo(assets, "person_b_1")
+def test_onnx_runtime_sessions_plug_into_detect(nets, onnx_runners, photos):
+    rgb = _photo(photos, "person_b_1")
     (expected,), (got,) = M.detect(rgb, *nets), M.detect(rgb, *onnx_runners)
     np.testing.assert_allclose(got.box, expected.box, atol=0.01)
     np.testing.assert_allclose(got.landmarks, expected.landmarks, atol=0.01)
