@@ -102,6 +102,67 @@ class ExportConfig:
 
 
 @dataclass(frozen=True)
+class CalibrateConfig:
+    method: str           # minmax | percentile | entropy
+    percentile: float
+    bins: int
+    batch: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    weights: str          # s8
+    activations: str      # u8 | s8
+    per_channel: bool
+    symmetric_activations: bool
+    bias_float: bool      # leave biases in float (TensorRT form) instead of int32
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    name: str
+    enabled: bool
+    options: dict[str, Any]   # target-specific, validated by the target module
+    fallback_policy: str      # warn | fail
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str             # e.g. embedder-ort-cpu-int8
+    model: str
+    target: str
+    precision: str        # fp32 | fp16 | int8
+    recipe: str | None    # quantization recipe for int8
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    cosine_min: float
+    cosine_mean: float
+    l2_max: float
+    top1_agreement_min: float
+    decision_agreement_min: float
+    tar_delta_max: float
+    far_delta_max: float
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    batches: tuple[int, ...]
+    warmup: int
+    min_runs: int
+    min_seconds: float
+    int8_min_speedup: float
+
+
+@dataclass(frozen=True)
+class RegisterConfig:
+    experiment: str
+    sqlite_path: Path
+
+
+@dataclass(frozen=True)
 class Config:
     source: Path
     raw: dict[str, Any]
@@ -109,6 +170,22 @@ class Config:
     data: DataConfig
     models: dict[str, ModelConfig]
     export: ExportConfig
+    calibrate: CalibrateConfig
+    recipes: dict[str, Recipe]
+    targets: dict[str, TargetConfig]
+    engines: dict[str, EngineSpec]
+    validate: ValidateConfig
+    bench: BenchConfig
+    register: RegisterConfig
+
+    def engine(self, name: str) -> EngineSpec:
+        if name not in self.engines:
+            raise KilnError(f"{self.source}: engines: no engine named {name!r}",
+                            f"known engines: {', '.join(sorted(self.engines))}")
+        return self.engines[name]
+
+    def engines_of(self, model: str) -> list[EngineSpec]:
+        return [e for e in self.engines.values() if e.model == model]
 
     def model(self, name: str) -> ModelConfig:
         if name not in self.models:
@@ -167,6 +244,72 @@ def _export(r: _Reader) -> ExportConfig:
     return ExportConfig(opset, exporter, p.number("max_abs", 0), p.number("min_cosine", -1, 1))
 
 
+def _calibrate(r: _Reader) -> CalibrateConfig:
+    method = r.get("method", str)
+    if method not in ("minmax", "percentile", "entropy"):
+        raise r.fail("method", f"unknown calibration method {method!r}", "use minmax, percentile or entropy")
+    return CalibrateConfig(method, r.number("percentile", 90, 100), r.integer("bins", 128), r.integer("batch", 1))
+
+
+def _recipes(r: _Reader) -> dict[str, Recipe]:
+    out = {}
+    for name in r.data:
+        q = r.section(name)
+        w, a = q.get("weights", str), q.get("activations", str)
+        if w != "s8":
+            raise q.fail("weights", f"{w!r} is not supported", "use s8 (signed 8-bit weights)")
+        if a not in ("u8", "s8"):
+            raise q.fail("activations", f"{a!r} is not supported", "use u8 or s8")
+        out[name] = Recipe(name, w, a, q.get("per_channel", bool), q.get("symmetric_activations", bool),
+                           q.get("bias_float", bool))
+    return out
+
+
+def _targets(r: _Reader) -> dict[str, TargetConfig]:
+    out = {}
+    for name in r.data:
+        t = r.section(name)
+        policy = t.get("fallback_policy", str, "warn")
+        if policy not in ("warn", "fail"):
+            raise t.fail("fallback_policy", f"unknown policy {policy!r}", "use warn or fail")
+        options = {k: v for k, v in t.data.items() if k not in ("enabled", "fallback_policy")}
+        out[name] = TargetConfig(name, t.get("enabled", bool, True), options, policy)
+    return out
+
+
+def _engines(r: _Reader, models: dict, recipes: dict, targets: dict) -> dict[str, EngineSpec]:
+    out = {}
+    for name in r.data:
+        e = r.section(name)
+        model, target, precision = e.get("model", str), e.get("target", str), e.get("precision", str)
+        recipe = e.get("recipe", str, None)
+        if model not in models:
+            raise e.fail("model", f"no model named {model!r}", f"known models: {', '.join(sorted(models))}")
+        if target not in targets:
+            raise e.fail("target", f"no target named {target!r}", f"configure it under targets: ({', '.join(targets)})")
+        if precision not in ("fp32", "fp16", "int8"):
+            raise e.fail("precision", f"unknown precision {precision!r}", "use fp32, fp16 or int8")
+        if precision == "int8" and recipe not in recipes:
+            raise e.fail("recipe", f"int8 needs a quantization recipe, got {recipe!r}",
+                         f"name one of quantize.recipes: {', '.join(sorted(recipes))}")
+        out[name] = EngineSpec(name, model, target, precision, recipe if precision == "int8" else None)
+    return out
+
+
+def _validate(r: _Reader) -> ValidateConfig:
+    return ValidateConfig(r.number("cosine_min", -1, 1), r.number("cosine_mean", -1, 1), r.number("l2_max", 0),
+                          r.number("top1_agreement_min", 0, 1), r.number("decision_agreement_min", 0, 1),
+                          r.number("tar_delta_max", 0, 1), r.number("far_delta_max", 0, 1))
+
+
+def _bench(r: _Reader) -> BenchConfig:
+    batches = r.get("batches", list)
+    if not batches or not all(isinstance(b, int) and b > 0 for b in batches):
+        raise r.fail("batches", f"must be positive integers, got {batches!r}", "e.g. [1, 8]")
+    return BenchConfig(tuple(batches), r.integer("warmup", 0), r.integer("min_runs", 1), r.number("min_seconds", 0),
+                       r.number("int8_min_speedup", 0))
+
+
 def load(path: Path = DEFAULT_PARAMS) -> Config:
     path = Path(path)
     try:
@@ -180,5 +323,10 @@ def load(path: Path = DEFAULT_PARAMS) -> Config:
         raise KilnError(f"{path}: must be a mapping of sections", "see the repository's params.yaml")
     models_r = r.section("models")
     models = {name: _model(name, models_r.section(name)) for name in models_r.data}
+    recipes = _recipes(r.section("quantize").section("recipes"))
+    targets = _targets(r.section("targets"))
+    reg = r.section("register")
     return Config(path, raw, Path(r.section("assets").get("dir", str)), _data(r.section("data")), models,
-                  _export(r.section("export")))
+                  _export(r.section("export")), _calibrate(r.section("calibrate")), recipes, targets,
+                  _engines(r.section("engines"), models, recipes, targets), _validate(r.section("validate")),
+                  _bench(r.section("bench")), RegisterConfig(reg.get("experiment", str), Path(reg.get("sqlite_path", str))))

@@ -21,3 +21,31 @@ def export(model: str, root: Path = Path(".")) -> Path:
 
 def mtcnn_weights(assets_dir: Path) -> tuple[Path, Path, Path]:
     return tuple(Path(assets_dir) / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet"))
+
+
+def calibration(model: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "calibration" / model
+
+
+def quantized(model: str, recipe: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "quantized" / f"{model}-{recipe}"
+
+
+def toolchain_file(target: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "toolchain" / f"{target}.yaml"
+
+
+def engine(name: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "engines" / name
+
+
+def validation(name: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "validation" / name
+
+
+def bench(model: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "bench" / model
+
+
+def receipt(name: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "registry" / f"{name}.json"
