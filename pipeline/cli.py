@@ -61,6 +61,63 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_targets(args) -> int:
+    from pipeline import targets
+
+    cfg = _cfg(args)
+    for name in targets.TARGETS:
+        state = "enabled" if name in cfg.targets and cfg.targets[name].enabled else "not selected"
+        print(f"{targets.get(name).probe().line()} [{state} in {cfg.source}]")
+    return 0
+
+
+def cmd_toolchain(args) -> int:
+    from pipeline.stages import fingerprint
+
+    tc, path = fingerprint.run(args.target)
+    print(f"{tc.line()} → {path}")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from pipeline.stages import compile as compile_stage
+
+    t0 = time.perf_counter()
+    r = compile_stage.run(_cfg(args), args.engine)
+    a = r.audit.summary()
+    print(f"compile@{args.engine}: {r.directory} in {time.perf_counter() - t0:.1f} s; "
+          f"{a['native_nodes']} compute nodes native {a['precision']}, {a['fallback_nodes']} fell back; "
+          f"byte-reproducible: {r.reproducible}")
+    for w in r.warnings:
+        print(f"  warning: fallback: {w}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    from pipeline.stages import validate
+
+    v = validate.run(_cfg(args), args.engine)
+    m = v.metrics
+    print(f"validate@{args.engine}: {'PASS' if v.passed else 'FAIL'}  cosine min {m['cosine_min']:.5f} mean "
+          f"{m['cosine_mean']:.5f}  L2 max {m['l2_max']:.4f}  top-1 agreement {m['top1_agreement']:.3f}  "
+          f"decisions {m['decision_agreement']:.4f}  ΔTAR {m['tar_delta']:.4f}  ΔFAR {m['far_delta']:.4f}")
+    if not v.passed:
+        raise GateFailed(f"validate@{args.engine}: " + "; ".join(v.failures),
+                         "the engine is not equivalent to the reference on the face task; see validation.json")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from pipeline.stages import bench
+
+    cfg = _cfg(args)
+    r = bench.run(cfg, args.model)
+    print(bench.table(r.report, cfg.bench.batches))
+    if r.failures:
+        raise GateFailed("; ".join(r.failures), "change the quantization recipe or drop the INT8 engine")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from pipeline.manifest import find_manifests, verify_manifest
 
@@ -96,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
     p = add("export", cmd_export, "export a model to ONNX, check it and prove parity with the golden outputs")
     p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
+    add("targets", cmd_targets, "list compile targets and whether this host can build them")
+    p = add("toolchain", cmd_toolchain, "write a target's toolchain fingerprint (artifacts/toolchain/<target>.yaml)")
+    p.add_argument("target")
+    p = add("compile", cmd_compile, "compile an engine (model × target × precision from params.yaml) and audit it")
+    p.add_argument("engine", help="engine name from params.yaml `engines:` (e.g. embedder-ort-cpu-int8)")
+    p = add("validate", cmd_validate, "gate an engine against the golden embeddings on the face task (exit 1 = fail)")
+    p.add_argument("engine")
+    p = add("bench", cmd_bench, "benchmark every engine of a model side by side with PyTorch eager")
+    p.add_argument("model")
     p = add("verify", cmd_verify, "recompute checksums of artifacts against their manifests (exit 1 on mismatch)")
     p.add_argument("path", help="a manifest file or a directory searched for *.manifest.json")
     p.add_argument("--root", default=".", help="repository root, to check input manifests (default: .)")

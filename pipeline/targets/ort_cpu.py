@@ -1,0 +1,118 @@
+"""`ort-cpu`: ONNX Runtime on the CPU. The engine is the offline-optimized graph plus the session options used.
+
+Offline optimization at level `all` may insert layouts for this CPU (NCHWc), so the target's rebuild keys include
+the CPU's ISA flags as well as the ONNX Runtime version: an engine is rebuilt, never reused, when either changes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from pipeline import toolchain
+from pipeline.errors import KilnError
+from pipeline.targets.base import CompileOptions, OpSupport, Toolchain
+from pipeline.targets.canonical import canonicalize
+
+ENGINE_FILE = "model.onnx"
+SESSION_FILE = "session.json"
+LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+QUANT_COMPUTE = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "QLinearAdd",
+                 "QLinearMul", "QLinearAveragePool", "QLinearGlobalAveragePool", "QLinearConcat",
+                 "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QLinearSigmoid", "QLinearLeakyRelu"}
+FLOAT_COMPUTE = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "ConvTranspose", "Add", "Mul",
+                 "AveragePool", "MaxPool", "GlobalAveragePool"}
+HEAVY = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "ConvTranspose"}
+
+
+class OrtCpu:
+    name = "ort-cpu"
+    cheap_rebuild = True  # compiling takes < 1 s, so the compile stage checks byte-reproducibility every time
+
+    def probe(self) -> Toolchain:
+        try:
+            import onnxruntime as ort
+        except ImportError as e:
+            return Toolchain(self.name, False, f"onnxruntime not importable: {e}")
+        if "CPUExecutionProvider" not in ort.get_available_providers():
+            return Toolchain(self.name, False, "CPUExecutionProvider missing from this onnxruntime build")
+        host = toolchain.cpu()
+        return Toolchain(self.name, True,
+                         rebuild_on={"onnxruntime": ort.__version__, "isa": host["isa"], "machine": host["machine"]},
+                         info={"cpu": host["cpu"], "providers": ort.get_available_providers(),
+                               **toolchain.versions("onnx", "numpy")})
+
+    @staticmethod
+    def _session_options(options: dict, optimized_out: Path | None = None):
+        import onnxruntime as ort
+
+        level = options.get("graph_optimization", "all")
+        if level not in LEVELS:
+            raise KilnError(f"targets.ort-cpu.graph_optimization: unknown level {level!r}",
+                            f"use one of {', '.join(LEVELS)}")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = int(options.get("threads", 0))
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.log_severity_level = 3  # the hardware-specific-layout warning is expected and recorded in the manifest
+        if optimized_out is None:
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # already optimized offline
+        else:
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+            so.optimized_model_filepath = str(optimized_out)
+        return so
+
+    def compile(self, onnx: Path, options: CompileOptions, out: Path) -> list[Path]:
+        import onnx as onnx_lib
+        import onnxruntime as ort
+
+        engine = out / ENGINE_FILE
+        ort.InferenceSession(str(onnx), self._session_options(options.options, engine),
+                             providers=["CPUExecutionProvider"])
+        onnx_lib.save(canonicalize(onnx_lib.load(str(engine))), str(engine))  # same model → same bytes
+        session = {"providers": ["CPUExecutionProvider"], "precision": options.precision,
+                   "graph_optimization": options.options.get("graph_optimization", "all"),
+                   "threads": int(options.options.get("threads", 0)), "load_with_optimization": "disabled"}
+        (out / SESSION_FILE).write_text(json.dumps(session, sort_keys=True, indent=1) + "\n")
+        return [engine, out / SESSION_FILE]
+
+    def audit(self, engine_dir: Path, precision: str) -> OpSupport:
+        """Read the optimized graph: which compute nodes run quantized kernels, which run in float."""
+        import onnx
+
+        graph = onnx.load(str(engine_dir / ENGINE_FILE), load_external_data=False).graph
+        native, fallback, other = Counter(), [], Counter()
+        for node in graph.node:
+            op = node.op_type
+            if precision == "int8" and op in QUANT_COMPUTE:
+                native[op] += 1
+            elif precision == "int8" and op in HEAVY:
+                fallback.append({"node": node.name, "op": f"{node.domain + '.' if node.domain else ''}{op}",
+                                 "runs_as": "float32"})
+            elif precision != "int8" and op in FLOAT_COMPUTE:
+                native[f"{node.domain + '.' if node.domain else ''}{op}"] += 1
+            else:
+                other[f"{node.domain + '.' if node.domain else ''}{op}"] += 1
+        return OpSupport(precision, dict(sorted(native.items())), fallback, dict(sorted(other.items())))
+
+    def load(self, engine_dir: Path) -> "OrtRunner":
+        return OrtRunner(engine_dir)
+
+
+class OrtRunner:
+    """Runner over a compiled ort-cpu engine, with the session options it was compiled for."""
+
+    def __init__(self, engine_dir: Path) -> None:
+        import onnxruntime as ort
+
+        session = json.loads((engine_dir / SESSION_FILE).read_text())
+        self.session = ort.InferenceSession(str(engine_dir / ENGINE_FILE),
+                                            OrtCpu._session_options({"threads": session["threads"]}),
+                                            providers=session["providers"])
+        self.input_name = self.session.get_inputs()[0].name
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self.input_name: np.ascontiguousarray(batch, np.float32)})[0]
