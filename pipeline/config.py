@@ -292,6 +292,11 @@ def _engines(r: _Reader, models: dict, recipes: dict, targets: dict) -> dict[str
         if precision == "int8" and recipe not in recipes:
             raise e.fail("recipe", f"int8 needs a quantization recipe, got {recipe!r}",
                          f"name one of quantize.recipes: {', '.join(sorted(recipes))}")
+        onnx = e.get("onnx", str)
+        expected = f"artifacts/quantized/{model}-{recipe}" if precision == "int8" else f"artifacts/export/{model}"
+        if onnx.rstrip("/") != expected:
+            raise e.fail("onnx", f"{onnx!r} is not the artifact a {precision} engine of {model!r} compiles",
+                         f"set it to {expected}")
         out[name] = EngineSpec(name, model, target, precision, recipe if precision == "int8" else None)
     return out
 

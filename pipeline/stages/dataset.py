@@ -11,7 +11,7 @@ from pipeline import paths, toolchain
 from pipeline.config import Config
 from pipeline.data import build_set, list_photos, save_set
 from pipeline.errors import KilnError
-from pipeline.manifest import atomic_dir, build_manifest, file_digests, input_ref, manifest_path, source_info, write_manifest
+from pipeline.manifest import atomic_dir, build_manifest, file_digests, source_info, write_manifest
 from pipeline.models import mtcnn
 
 
@@ -48,13 +48,12 @@ def run(cfg: Config, name: str, root: Path = Path(".")) -> DatasetResult:
     photos = list_photos(root / dcfg.photos)
     image_set = build_set(photos, mtcnn_landmarker(root / cfg.assets_dir, dcfg.min_face_size), dcfg, dcfg.sets[name])
     out = paths.data_set(name, root)
-    assets_manifest = manifest_path(root / cfg.assets_dir, "assets")
     with atomic_dir(out) as d:
         files = save_set(image_set, d)
-        inputs = [{"role": "photo", "path": p.path.relative_to(root).as_posix(), **file_digests(p.path)}
-                  for p in photos]
-        if assets_manifest.is_file():
-            inputs.insert(0, input_ref("assets", assets_manifest, root))
+        inputs = [{"role": "detector_weights", "path": w.relative_to(root).as_posix(), **file_digests(w)}
+                  for w in paths.mtcnn_weights(root / cfg.assets_dir)]
+        inputs += [{"role": "photo", "path": p.path.relative_to(root).as_posix(), **file_digests(p.path)}
+                   for p in photos]
         params = {k: v for k, v in cfg.section("data").items() if k != "sets"} | {"set": cfg.section("data", "sets", name)}
         write_manifest(d, build_manifest(
             kind="dataset", name=name, directory=d, files=files, inputs=inputs,

@@ -1,0 +1,312 @@
+"""calibrate@<model>: per-tensor activation ranges of the FP32 ONNX over the calibration set, streamed in batches.
+
+The ranges belong to the graph that `quantize` actually quantizes: ONNX Runtime's `quant_pre_process` (symbolic +
+ONNX shape inference and ORT's basic optimizer, which folds the affine Mul/Add into each Conv and so renames or
+removes tensors). So the stage pre-processes the export into a temporary directory, calibrates that graph, and records
+the pre-processed graph's xxh3-128 in `ranges.json`; `quantize` repeats the deterministic pre-processing and refuses
+ranges whose graph digest differs. That keeps this artifact a few kilobytes instead of a second 22 MB model.
+
+Memory is bounded by `calibrate.batch`, never by the set size: an augmented copy of the graph exposes every tensor
+that QDQ quantization needs a range for (float inputs and outputs of quantizable nodes, as ORT's own calibrators
+select them), and ORT runs it batch by batch. Pass 1 keeps a running min/max per tensor; pass 2 (percentile and
+entropy) adds every batch into a fixed `calibrate.bins`-bin histogram of |x| over [0, max |x|] from pass 1. Counts
+add exactly, so the result does not depend on the batch size. ORT's calibrators are not used: their `collect_data`
+keeps every batch's outputs until `compute_data`.
+
+Methods (the chosen one is `tensors` in ranges.json; the plain min/max is always stored beside it as `minmax`):
+
+* minmax — the observed min and max.
+* percentile — threshold t at the `calibrate.percentile` of |x| (upper edge of the bin the percentile falls in);
+  range [max(min, -t), min(max, t)], so a non-negative (post-ReLU) tensor gets [0, t], as ORT's percentile does.
+* entropy — TensorRT's KL-divergence search (Migacz, GTC 2017): for every candidate i ≥ 128 bins, P = hist[:i] with
+  the outliers folded into its last bin, Q = hist[:i] merged into 128 levels and spread back over P's non-zero bins;
+  t = upper edge of the i that minimises KL(P‖Q). Same range rule as percentile. Implemented in closed form over all
+  candidates at once (cumulative sums), so it costs milliseconds per tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from pipeline import paths, toolchain
+from pipeline.config import CalibrateConfig, Config
+from pipeline.data import load_set, to_nchw
+from pipeline.errors import KilnError
+from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_json_atomic,
+                               write_manifest, xxh3_128_hex)
+
+QUANTIZED_LEVELS = 128          # int8: 128 levels on each side of zero
+DIFFERS_REL = 0.01              # a range "differs" from min/max when an end moves by > 1 % of max |x|
+PREPROCESS = "onnxruntime.quantization.shape_inference.quant_pre_process"
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    directory: Path
+    method: str
+    tensors: int
+    samples: int
+    differs_fraction: float        # share of tensors whose chosen range differs from min/max by > 1 %
+    seconds: dict[str, float]      # per pass
+
+
+# ---------------------------------------------------------------------------------------------- graph
+def quantizable_op_types() -> list[str]:
+    """The op types `quantize_static` quantizes by default (QDQ ∪ QLinear registries)."""
+    from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+
+    return sorted(set(QDQRegistry) | set(QLinearOpsRegistry))
+
+
+def preprocess(src: Path, dest: Path) -> str:
+    """`quant_pre_process` src → dest; returns dest's xxh3-128. Deterministic for one ONNX Runtime version.
+
+    `quant_pre_process` logs and carries on when ORT's optimizer fails, so a failure is caught from its log here.
+    """
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    errors: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    log = logging.getLogger("onnxruntime.quantization.shape_inference")
+    handler = _Catch()
+    log.addHandler(handler)
+    try:
+        quant_pre_process(str(src), str(dest))
+    except Exception as e:  # noqa: BLE001 — any failure of the third-party pre-processor is a user-facing error
+        raise KilnError(f"{src}: quantization pre-processing failed: {e.__class__.__name__}: {e}".splitlines()[0],
+                        "check that the export is a valid ONNX graph (kiln verify) and ONNX Runtime is installed")
+    finally:
+        log.removeHandler(handler)
+    if errors:
+        raise KilnError(f"{src}: quantization pre-processing failed: {errors[0].splitlines()[0]}",
+                        "ORT's optimizer rejected the graph; see the log above")
+    return xxh3_128_hex(Path(dest).read_bytes())
+
+
+def calibration_tensors(model: onnx.ModelProto, op_types: list[str] | None = None) -> list[str]:
+    """Float, non-initializer inputs and outputs of quantizable nodes (ORT's `select_tensors_to_calibrate`)."""
+    ops = set(op_types or quantizable_op_types())
+    infos = {v.name: v for v in chain(model.graph.value_info, model.graph.output, model.graph.input)}
+    inits = {i.name for i in model.graph.initializer}
+    names = set()
+    for node in model.graph.node:
+        if node.op_type in ops:
+            for t in chain(node.input, node.output):
+                vi = infos.get(t)
+                if (vi is not None and t not in inits and vi.type.HasField("tensor_type")
+                        and vi.type.tensor_type.elem_type in _FLOAT_TYPES):
+                    names.add(t)
+    return sorted(names)
+
+
+def augment(model: onnx.ModelProto, tensors: list[str]) -> onnx.ModelProto:
+    """A copy of `model` whose graph outputs are exactly `tensors` (in that order)."""
+    aug = onnx.ModelProto()
+    aug.CopyFrom(model)
+    infos = {v.name: v for v in chain(model.graph.value_info, model.graph.output, model.graph.input)}
+    del aug.graph.output[:]
+    aug.graph.output.extend(infos[t] for t in tensors)
+    return aug
+
+
+def _batches(chips: np.ndarray, batch: int) -> Iterator[np.ndarray]:
+    for i in range(0, len(chips), batch):
+        yield to_nchw(chips[i:i + batch])
+
+
+# ---------------------------------------------------------------------------------------------- statistics
+def collect_minmax(run_batch: Callable[[np.ndarray], list[np.ndarray]], chips: np.ndarray, batch: int,
+                   n: int) -> tuple[np.ndarray, np.ndarray]:
+    lo, hi = np.full(n, np.inf, np.float64), np.full(n, -np.inf, np.float64)
+    for x in _batches(chips, batch):
+        for k, out in enumerate(run_batch(x)):
+            if out.size:
+                lo[k] = min(lo[k], float(out.min()))
+                hi[k] = max(hi[k], float(out.max()))
+    if not np.all(np.isfinite(lo) & np.isfinite(hi)):
+        raise KilnError("calibration produced empty, NaN or infinite activations",
+                        "check the calibration set and the exported model (kiln export)")
+    return lo, hi
+
+
+def collect_histograms(run_batch: Callable[[np.ndarray], list[np.ndarray]], chips: np.ndarray, batch: int,
+                       amax: np.ndarray, bins: int) -> np.ndarray:
+    """(tensors, bins) int64 counts of |x| over [0, amax] per tensor; bin b covers [b, b+1) · amax / bins."""
+    hist = np.zeros((len(amax), bins), np.int64)
+    scale = np.where(amax > 0, bins / np.where(amax > 0, amax, 1.0), 0.0).astype(np.float32)
+    for x in _batches(chips, batch):
+        for k, out in enumerate(run_batch(x)):
+            idx = (np.abs(out.ravel()) * scale[k]).astype(np.int64)
+            np.minimum(idx, bins - 1, out=idx)
+            hist[k] += np.bincount(idx, minlength=bins)
+    return hist
+
+
+def percentile_threshold(hist: np.ndarray, amax: float, percentile: float) -> float:
+    """|x| below which `percentile` % of the values lie (upper edge of that bin), from a [0, amax] histogram."""
+    total = hist.sum()
+    if total == 0 or amax <= 0:
+        return float(amax)
+    cdf = np.cumsum(hist) / total
+    b = int(np.searchsorted(cdf, percentile / 100.0 - 1e-12))
+    return float(min(amax, (min(b, len(hist) - 1) + 1) * amax / len(hist)))
+
+
+def _xlogx(v: np.ndarray) -> np.ndarray:
+    v = np.asarray(v, np.float64)
+    return np.where(v > 0, v * np.log(np.where(v > 0, v, 1.0)), 0.0)
+
+
+def entropy_divergences(hist: np.ndarray, levels: int = QUANTIZED_LEVELS) -> np.ndarray:
+    """KL(P‖Q) for every candidate i in [levels, bins] (index i − levels), TensorRT's construction.
+
+    P_i = hist[:i] with the outliers sum(hist[i:]) added to its last bin; Q_i = hist[:i] merged into `levels` chunks
+    of i // levels bins (the remainder joins the last chunk), each chunk's count spread evenly over the bins where
+    P_i is non-zero. With Pj = Σ_chunk P, Qj = Σ_chunk hist, nj = non-zero bins of P in the chunk:
+    KL = (Σ p log p − Σ_j Pj log(Qj / nj)) / ΣP − log ΣP + log Σ_{j: nj>0} Qj.   Infinite where Qj = 0 < Pj.
+    """
+    h = np.asarray(hist, np.float64)
+    nbins = h.size
+    cands = np.arange(levels, nbins + 1)                        # i: number of bins kept
+    c_h = np.concatenate([[0.0], np.cumsum(h)])                 # Σ h[:k]
+    c_nz = np.concatenate([[0], np.cumsum(h > 0)])              # non-zero bins in h[:k]
+    c_hl = np.concatenate([[0.0], np.cumsum(_xlogx(h))])        # Σ h log h over h[:k]
+    total = c_h[-1]
+    outliers = total - c_h[cands]
+    last = h[cands - 1]
+    last_p = last + outliers
+    s_plogp = c_hl[cands] - _xlogx(last) + _xlogx(last_p)       # Σ p log p (unnormalised)
+
+    width = cands // levels                                     # (C,)
+    j = np.arange(levels)
+    start = j[None, :] * width[:, None]                         # (C, L)
+    end = np.where(j[None, :] == levels - 1, cands[:, None], start + width[:, None])
+    q = c_h[end] - c_h[start]                                   # Qj: chunk sums of hist[:i]
+    nz = (c_nz[end] - c_nz[start]).astype(np.float64)           # non-zero bins of hist[:i] per chunk
+    # P differs from hist[:i] only in its last bin (in the last chunk): outliers may make it non-zero.
+    nz[:, -1] += (last == 0) & (last_p > 0)
+    p = q.copy()
+    p[:, -1] += outliers
+    with np.errstate(divide="ignore", invalid="ignore"):
+        term = np.where(p > 0, p * np.log(np.where(q > 0, q, 1.0) / np.where(nz > 0, nz, 1.0)), 0.0)
+        zq = np.where(nz > 0, q, 0.0).sum(1)
+        kl = (s_plogp - term.sum(1)) / total - np.log(total) + np.log(zq)
+    kl[np.any((q == 0) & (p > 0), axis=1) | (zq <= 0)] = np.inf
+    return kl
+
+
+def entropy_threshold(hist: np.ndarray, amax: float, levels: int = QUANTIZED_LEVELS) -> float:
+    """|x| threshold minimising KL(P‖Q) over a [0, amax] histogram of |x| (upper edge of the kept bins)."""
+    hist = np.asarray(hist)
+    if hist.sum() == 0 or amax <= 0 or hist.size <= levels:
+        return float(amax)
+    kl = entropy_divergences(hist, levels)
+    if not np.isfinite(kl).any():
+        return float(amax)
+    i = levels + int(np.argmin(kl))
+    return float(min(amax, i * amax / hist.size))
+
+
+def clip_range(lo: float, hi: float, threshold: float) -> tuple[float, float]:
+    return max(lo, -threshold), min(hi, threshold)
+
+
+def differs(chosen: dict[str, dict[str, float]], minmax: dict[str, dict[str, float]], rel: float = DIFFERS_REL) -> int:
+    """How many tensors' chosen range moves an end by more than `rel` of the tensor's max |x|."""
+    count = 0
+    for name, mm in minmax.items():
+        scale = max(abs(mm["min"]), abs(mm["max"]))
+        c = chosen[name]
+        if scale > 0 and max(abs(c["min"] - mm["min"]), abs(c["max"] - mm["max"])) > rel * scale:
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------------- core
+def compute_ranges(model_path: Path, chips: np.ndarray, ccfg: CalibrateConfig,
+                   progress: Callable[[str], None] = print, label: str = "calibrate") -> tuple[dict, dict]:
+    """Stream `chips` through `model_path` (pre-processed) → (ranges.json content without graph digest, timings)."""
+    import onnxruntime as ort
+
+    model = onnx.load(str(model_path))
+    tensors = calibration_tensors(model)
+    if not tensors:
+        raise KilnError(f"{model_path}: no quantizable float tensors found", "is this a float ONNX model?")
+    sess = ort.InferenceSession(augment(model, tensors).SerializeToString(), providers=["CPUExecutionProvider"])
+    del model
+    feed = sess.get_inputs()[0].name
+
+    def run_batch(x: np.ndarray) -> list[np.ndarray]:
+        return sess.run(tensors, {feed: x})
+
+    seconds = {}
+    t0 = time.perf_counter()
+    lo, hi = collect_minmax(run_batch, chips, ccfg.batch, len(tensors))
+    seconds["minmax"] = round(time.perf_counter() - t0, 3)
+    progress(f"{label}: pass 1/{1 if ccfg.method == 'minmax' else 2} min/max: {len(tensors)} tensors × "
+             f"{len(chips)} samples in {seconds['minmax']:.1f} s")
+    minmax = {t: {"min": float(lo[k]), "max": float(hi[k])} for k, t in enumerate(tensors)}
+    chosen = minmax
+    if ccfg.method != "minmax":
+        t0 = time.perf_counter()
+        amax = np.maximum(np.abs(lo), np.abs(hi))
+        hist = collect_histograms(run_batch, chips, ccfg.batch, amax, ccfg.bins)
+        chosen = {}
+        for k, t in enumerate(tensors):
+            th = (percentile_threshold(hist[k], amax[k], ccfg.percentile) if ccfg.method == "percentile"
+                  else entropy_threshold(hist[k], amax[k]))
+            a, b = clip_range(float(lo[k]), float(hi[k]), th)
+            chosen[t] = {"min": a, "max": b}
+        seconds[ccfg.method] = round(time.perf_counter() - t0, 3)
+        progress(f"{label}: pass 2/2 {ccfg.method} ({ccfg.bins} bins): {len(tensors)} tensors × {len(chips)} "
+                 f"samples in {seconds[ccfg.method]:.1f} s")
+    return {"method": ccfg.method, "tensors": chosen, "minmax": minmax, "samples": int(len(chips))}, seconds
+
+
+def run(cfg: Config, model_name: str, root: Path = Path("."), progress: Callable[[str], None] = print,
+        limit: int | None = None) -> CalibrationResult:
+    """Calibrate `model_name`'s export on the calibration set (its first `limit` chips when given: tests only)."""
+    ccfg = cfg.calibrate
+    cfg.model(model_name)
+    export_dir, set_dir = paths.export(model_name, root), paths.data_set("calibration", root)
+    cset = load_set(set_dir)
+    chips = cset.chips if limit is None else cset.chips[:limit]
+    label = f"calibrate@{model_name}"
+    out = paths.calibration(model_name, root)
+    with tempfile.TemporaryDirectory(prefix="kiln-calibrate-") as tmp, atomic_dir(out) as d:
+        pre = Path(tmp) / "preprocessed.onnx"
+        graph_digest = preprocess(export_dir / "model.onnx", pre)
+        ranges, seconds = compute_ranges(pre, chips, ccfg, progress, label)
+        ranges["graph_xxh3_128"] = graph_digest
+        write_json_atomic(d / "ranges.json", ranges)
+        n, changed = len(ranges["tensors"]), differs(ranges["tensors"], ranges["minmax"])
+        results = {"method": ccfg.method, "tensors": n, "samples": ranges["samples"],
+                   "graph_xxh3_128": graph_digest,
+                   "differs_from_minmax": {"rel_threshold": DIFFERS_REL, "tensors": changed,
+                                           "fraction": round(changed / n, 6)}}
+        build = {"method": ccfg.method, "bins": ccfg.bins, "percentile": ccfg.percentile,
+                 "quantized_levels": QUANTIZED_LEVELS, "preprocess": PREPROCESS, "histogram": "abs",
+                 "op_types": quantizable_op_types()}
+        write_manifest(d, build_manifest(
+            kind="calibration", name=model_name, model=model_name, directory=d, files=[d / "ranges.json"],
+            inputs=[input_ref("onnx", manifest_path(export_dir, model_name), root),
+                    input_ref("calibration_set", manifest_path(set_dir, "calibration"), root)],
+            toolchain=toolchain.describe("onnx", "onnxruntime"), build=build,
+            source=source_info(root, cfg.section("calibrate")), results=results,
+            record={"seconds": seconds, "batch": ccfg.batch}))
+    return CalibrationResult(out, ccfg.method, n, ranges["samples"], changed / n, seconds)
