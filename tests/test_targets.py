@@ -1,0 +1,111 @@
+"""ort-cpu target, toolchain fingerprint, compile audit + fallback policy, and the validation gate."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from pipeline import paths, targets
+from pipeline.errors import GateFailed, KilnError
+from pipeline.manifest import verify_manifest
+from pipeline.stages import compile as compile_stage
+from pipeline.stages import fingerprint, validate
+from pipeline.targets.base import CompileOptions
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(built, cfg):
+    fingerprint.run("ort-cpu", built)
+    compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
+    return paths.engine("embedder-ort-cpu-fp32", built)
+
+
+def test_probe_and_fingerprint(built):
+    tc, path = fingerprint.run("ort-cpu", built)
+    doc = yaml.safe_load(path.read_text())
+    assert tc.available and doc["available"] is True
+    assert set(doc["rebuild_on"]) == {"onnxruntime", "isa", "machine"} and "cpu" in doc["info"]
+    assert tc.line().startswith("ort-cpu: available (onnxruntime ")
+
+
+def test_unknown_target_is_a_clear_error():
+    with pytest.raises(KilnError, match="unknown target 'tensorrt-x'"):
+        targets.get("tensorrt-x")
+
+
+def test_fp32_engine_is_reproducible_native_and_verifies(fp32_engine, built, cfg):
+    r = compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
+    assert r.reproducible is True and r.audit.ok and r.audit.summary()["native_nodes"] >= 30
+    assert verify_manifest(fp32_engine / "embedder-ort-cpu-fp32.manifest.json", root=built) == []
+
+
+def test_audit_catches_float_convs_in_an_int8_engine(fp32_engine):
+    """An 'INT8' engine whose convolutions run in float is exactly the silent fallback the audit must report."""
+    audit = targets.get("ort-cpu").audit(fp32_engine, "int8")
+    ops = {f["op"].split(".")[-1] for f in audit.fallback}
+    assert not audit.ok and "Conv" in ops and len(audit.fallback) >= 29
+
+
+def test_fallback_policy_fail_builds_nothing(built, cfg):
+    """Point an INT8 engine at an unquantized graph: with policy `fail` the compile stops and writes nothing."""
+    fake = paths.quantized("embedder", "ort", built)
+    if fake.exists():
+        shutil.rmtree(fake)
+    shutil.copytree(paths.export("embedder", built), fake)
+    (fake / "embedder.manifest.json").rename(fake / "embedder-ort.manifest.json")
+    strict = dataclasses.replace(cfg, targets={"ort-cpu": dataclasses.replace(cfg.targets["ort-cpu"],
+                                                                               fallback_policy="fail")})
+    fingerprint.run("ort-cpu", built)
+    try:
+        with pytest.raises(GateFailed, match="compute nodes fell back from int8"):
+            compile_stage.run(strict, "embedder-ort-cpu-int8", built)
+        assert not paths.engine("embedder-ort-cpu-int8", built).exists()
+        warn = compile_stage.run(cfg, "embedder-ort-cpu-int8", built)  # policy warn: built, warning recorded
+        assert len(warn.warnings) >= 29
+    finally:
+        shutil.rmtree(fake)
+        shutil.rmtree(paths.engine("embedder-ort-cpu-int8", built), ignore_errors=True)
+
+
+def test_unavailable_target_builds_nothing(built, cfg):
+    path = paths.toolchain_file("ort-cpu", built)
+    fingerprint.run("ort-cpu", built)
+    doc = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**doc, "available": False, "reason": "no CPU today"}))
+    with pytest.raises(KilnError, match=r"ort-cpu: unavailable \(no CPU today\)"):
+        compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
+    fingerprint.run("ort-cpu", built)
+
+
+def test_face_metrics_known_answers(cfg):
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(3, 128)) * 0.1
+    labels = np.repeat(np.arange(3), 4)
+    ref = centers[labels] + rng.normal(size=(12, 128)) * 0.01
+    gallery = np.array([0, 4, 8])
+    same = validate.face_metrics(ref.copy(), ref, labels, gallery, 0.6)
+    assert same["cosine_min"] == pytest.approx(1.0) and same["l2_max"] == 0 and same["decision_agreement"] == 1
+    swapped = ref.copy()
+    swapped[1] = ref[5]  # one chip of identity 0 now looks like identity 1
+    m = validate.face_metrics(swapped, ref, labels, gallery, 0.6)
+    assert m["top1_agreement"] == pytest.approx(11 / 12) and m["cosine_min"] < 0.9
+    assert any(f.startswith("top1_agreement") for f in validate.gate(m, cfg.validate))
+    assert validate.gate(same, cfg.validate) == []
+
+
+def test_validate_passes_fp32_and_writes_verdict(fp32_engine, built, cfg):
+    v = validate.run(cfg, "embedder-ort-cpu-fp32", built)
+    assert v.passed and v.metrics["cosine_min"] > 0.9999
+    report = (paths.validation("embedder-ort-cpu-fp32", built) / "validation.json").read_text()
+    assert '"verdict": "pass"' in report
+
+
+def test_validate_failure_is_recorded(fp32_engine, built, cfg):
+    impossible = dataclasses.replace(cfg, validate=dataclasses.replace(cfg.validate, l2_max=-1.0))
+    v = validate.run(impossible, "embedder-ort-cpu-fp32", built)
+    assert not v.passed and v.failures[0].startswith("l2_max")
+    assert '"verdict": "fail"' in (paths.validation("embedder-ort-cpu-fp32", built) / "validation.json").read_text()
