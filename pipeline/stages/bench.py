@@ -96,6 +96,13 @@ def summarize(lat: dict[int, np.ndarray]) -> dict[str, float]:
 
 
 def run(cfg: Config, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
+    """The bench stage: measure, then write artifacts/bench/<model>/bench.json (DVC metrics, never cached)."""
+    result = measure_model(cfg, model_name, root, progress)
+    write_json_atomic(paths.bench(model_name, root) / "bench.json", result.report)
+    return result
+
+
+def measure_model(cfg: Config, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
     mcfg, bcfg = cfg.model(model_name), cfg.bench
     engines = [e for e in cfg.engines_of(model_name)]
     rng = np.random.default_rng(0)
@@ -141,18 +148,19 @@ def run(cfg: Config, model_name: str, root: Path = Path("."), progress=print) ->
                                 f"(needs ≥ {bcfg.int8_min_speedup:g}×): the INT8 recipe {e.recipe!r} does not pay")
     report["failures"] = failures
     report["verdict"] = "fail" if failures else "pass"
-    write_json_atomic(paths.bench(model_name, root) / "bench.json", report)
     return BenchResult(report, failures)
 
 
-def table(report: dict, batches: tuple[int, ...]) -> str:
-    """The side-by-side table printed by the CLI and pasted into the README."""
+def table(report: dict, batches: tuple[int, ...], extra: dict[str, dict[str, float]] | None = None) -> str:
+    """The side-by-side table printed by the CLI and the bench script; `extra` adds columns per engine."""
+    extra = extra or {}
+    extra_cols = sorted({k for v in extra.values() for k in v})
     cols = [f"b{b} p50 ms" for b in batches] + [f"b{b} p99 ms" for b in batches] + \
-        [f"b{b} ×eager" for b in batches] + [f"b{b} ×fp32" for b in batches] + ["cold ms", "RSS MB"]
+        [f"b{b} ×eager" for b in batches] + [f"b{b} ×fp32" for b in batches] + ["cold ms", "RSS MB"] + extra_cols
     lines = ["| engine | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, m in report["engines"].items():
         vals = [m.get(f"b{b}_p50_ms") for b in batches] + [m.get(f"b{b}_p99_ms") for b in batches] + \
             [m.get(f"b{b}_speedup_vs_eager") for b in batches] + [m.get(f"b{b}_speedup_vs_fp32") for b in batches] + \
-            [m.get("cold_start_ms"), m.get("peak_rss_mb")]
-        lines.append(f"| {name} | " + " | ".join("" if v is None else f"{v:.2f}" for v in vals) + " |")
+            [m.get("cold_start_ms"), m.get("peak_rss_mb")] + [extra.get(name, {}).get(c) for c in extra_cols]
+        lines.append(f"| {name} | " + " | ".join("" if v is None else f"{v:.4g}" for v in vals) + " |")
     return "\n".join(lines)
