@@ -191,13 +191,20 @@ def _dir_lock(directory: Path) -> Iterator[None]:
 
 
 class _Registry:
-    """One MLflow client bound to one tracking URI (no global MLflow state is touched)."""
+    """One MLflow client bound to one tracking URI (also set process-wide: see the note below)."""
 
     def __init__(self, cfg: Config, root: Path) -> None:
         self.uri = tracking_uri(cfg, root)
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # kiln prints its own line
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # "🏃 View run …" on every run end
+        import mlflow
         from mlflow import MlflowClient
 
+        # The SQL registry store resolves `models:/<model_id>` sources through a *global* MlflowClient()
+        # (mlflow/store/model_registry/sqlalchemy_store.py, create_model_version), so the process-wide URIs
+        # must match this client's, or registration looks in ./mlflow.db of the working directory.
+        mlflow.set_tracking_uri(self.uri)
+        mlflow.set_registry_uri(self.uri)
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
         self.db = _sqlite_path(self.uri)
         self._experiments: dict[str, str] = {}
@@ -274,7 +281,8 @@ def _mlflow_errors(uri: str) -> Iterator[None]:
     try:
         yield
     except MlflowException as e:
-        first = str(e.message if hasattr(e, "message") else e).strip().splitlines()[0][:500]
+        lines = str(getattr(e, "message", e)).strip().splitlines()
+        first = (lines[0] if lines else type(e).__name__)[:500]
         hint = "check MLFLOW_TRACKING_URI and that the tracking server is up"
         if "out-of-date database schema" in str(e):
             hint = f"run `mlflow db upgrade {_redact(uri)}` (back the database up first)"
