@@ -1,11 +1,15 @@
-"""`kiln`: one subcommand per stage, plus verify. Parses, calls a stage's pure core, prints, sets the exit code.
+"""`kiln`: one subcommand per stage, plus verify and the registry commands (register, promote, rollback, history).
+Parses, calls a stage's pure core, prints, sets the exit code.
 
-Exit codes: 0 ok; 1 a gate or verification failed (the DAG must stop); 2 a user error (message + hint, no traceback).
+Exit codes: 0 ok; 1 a gate or verification failed (the DAG must stop; also `promote`/`rollback` refusing a version
+whose validation failed or whose stored files no longer match their checksums); 2 a user error (message + hint, no
+traceback; e.g. an unknown version, or no earlier production version to roll back to).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,6 +122,34 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from pipeline.stages import calibrate
+
+    t0 = time.perf_counter()
+    result = calibrate.run(_cfg(args), args.model)
+    print(f"calibrate@{args.model}: {result.method} ranges of {result.tensors} tensors over {result.samples} chips "
+          f"in {time.perf_counter() - t0:.1f} s → {result.directory / 'ranges.json'}")
+    print(f"  {result.differs_fraction:.0%} of the tensors' ranges differ from plain min/max by > 1 %")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from pipeline.stages import quantize
+
+    t0 = time.perf_counter()
+    result = quantize.run(_cfg(args), args.model, args.recipe)
+    g = result.golden
+    print(f"quantize@{args.model}-{args.recipe}: {result.onnx_path} "
+          f"({result.onnx_path.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    print(f"  {sum(result.quantized_ops.values())} nodes on quantized inputs ("
+          + ", ".join(f"{k}×{v}" for k, v in result.quantized_ops.items()) + f"); {len(result.float_nodes)} float"
+          + (f" ({', '.join(result.float_nodes)})" if result.float_nodes else ""))
+    print(f"  ranges for {result.ranges['with_range']}/{result.ranges['graph_tensors']} activation tensors; "
+          f"golden cosine vs PyTorch FP32 on {g['samples']} chips: min {g['cosine_min']:.5f}, "
+          f"mean {g['cosine_mean']:.5f} (informational; validate gates)")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from pipeline.manifest import find_manifests, verify_manifest
 
@@ -133,6 +165,64 @@ def cmd_verify(args) -> int:
         bad += bool(problems)
     print(f"verify: {len(manifests) - bad} ok, {bad} mismatched")
     return 1 if bad else 0
+
+
+def _quiet_mlflow() -> None:
+    """MLflow logs INFO chatter (table creation, "waiting for model version") to stderr; keep one line per command."""
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+
+
+def cmd_register(args) -> int:
+    _quiet_mlflow()
+    from pipeline import paths, registry
+
+    t0 = time.perf_counter()
+    r = registry.register(_cfg(args), args.engine)
+    state = "registered new version" if r.new else "already registered as version"
+    print(f"register@{args.engine}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…) "
+          f"in {time.perf_counter() - t0:.2f} s → {paths.receipt(args.engine)}")
+    return 0
+
+
+def _print_move(m) -> None:
+    if not m.changed:
+        print(f"{m.action}: {m.name}@{m.alias} is already v{m.to_version}; nothing moved")
+        return
+    was = f"v{m.from_version}" if m.from_version is not None else "none"
+    print(f"{m.action}: {m.name}@{m.alias} {was} → v{m.to_version} by {m.actor} at {m.at} ({m.reason})")
+
+
+def cmd_promote(args) -> int:
+    _quiet_mlflow()
+    from pipeline import registry
+
+    _print_move(registry.promote(_cfg(args), args.name, args.version, reason=args.reason))
+    return 0
+
+
+def cmd_rollback(args) -> int:
+    _quiet_mlflow()
+    from pipeline import registry
+
+    _print_move(registry.rollback(_cfg(args), args.name, reason=args.reason))
+    return 0
+
+
+def cmd_history(args) -> int:
+    _quiet_mlflow()
+    from pipeline import registry
+
+    moves = registry.history(_cfg(args), args.name, alias=args.alias)
+    if not moves:
+        print(f"history: no alias moves recorded for {args.name}")
+        return 0
+    rows = [("at (UTC)", "alias", "action", "from", "to", "actor", "reason")]
+    rows += [(m.at, m.alias, m.action, "-" if m.from_version is None else f"v{m.from_version}", f"v{m.to_version}",
+              m.actor, m.reason) for m in moves]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,9 +252,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("engine")
     p = add("bench", cmd_bench, "benchmark every engine of a model side by side with PyTorch eager")
     p.add_argument("model")
+    p = add("calibrate", cmd_calibrate, "stream the calibration set through the ONNX and store activation ranges")
+    p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
+    p = add("quantize", cmd_quantize, "INT8 QDQ ONNX from the export and its calibration ranges, for one recipe")
+    p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
+    p.add_argument("recipe", help="quantization recipe from params.yaml quantize.recipes (e.g. ort, symmetric)")
     p = add("verify", cmd_verify, "recompute checksums of artifacts against their manifests (exit 1 on mismatch)")
     p.add_argument("path", help="a manifest file or a directory searched for *.manifest.json")
     p.add_argument("--root", default=".", help="repository root, to check input manifests (default: .)")
+    p = add("register", cmd_register, "log a validated engine to MLflow and register it (idempotent by sha256); "
+            "new versions get the alias 'candidate'")
+    p.add_argument("engine", help="engine name from params.yaml (e.g. embedder-ort-cpu-int8)")
+    p = add("promote", cmd_promote, "move the 'production' alias to a registered version after checking its "
+            "validation verdict and its stored checksums (exit 1 if refused)")
+    p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
+    p.add_argument("version", help="model version number")
+    p.add_argument("--reason", help="why (recorded in the release history)")
+    p = add("rollback", cmd_rollback, "move 'production' back to the version it held before the current one")
+    p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
+    p.add_argument("--reason", help="why (recorded in the release history)")
+    p = add("history", cmd_history, "show the recorded alias moves (register, promote, rollback) of a model")
+    p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
+    p.add_argument("--alias", help="only this alias (e.g. production)")
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -28,7 +29,8 @@ def _copy_worktree(dest: Path) -> Path:
 
 
 def dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(root)}
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the clone's own SQLite registry
+    env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(root))
     return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=root, env=env,
                           capture_output=True, text=True)
 
@@ -38,16 +40,61 @@ def repo(tmp_path_factory) -> Path:
     return _copy_worktree(tmp_path_factory.mktemp("clone"))
 
 
+ALWAYS = ("toolchain@", "register@")  # always_changed: the fingerprint is re-probed, registration re-checked
+
+
+def ran(out: str) -> set[str]:
+    return {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage '")}
+
+
 @pytest.mark.slow
 def test_repro_builds_then_reruns_nothing(repo):
     first = dvc(repo, "repro")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     for rel in ("artifacts/assets/assets.manifest.json", "artifacts/export/embedder/model.onnx",
-                "artifacts/golden/embedder/embeddings.npy", "artifacts/export/embedder/embedder.manifest.json"):
+                "artifacts/golden/embedder/embeddings.npy", "artifacts/export/embedder/embedder.manifest.json",
+                "artifacts/engines/embedder-ort-cpu-int8/model.onnx", "artifacts/bench/embedder/bench.json",
+                "artifacts/registry/embedder-ort-cpu-int8.json", "artifacts/registry/embedder-ort-cpu-fp32.json"):
         assert (repo / rel).is_file(), rel
+    receipts = {p.name: p.read_text() for p in (repo / "artifacts/registry").iterdir()}
     second = dvc(repo, "repro")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "Running stage" not in second.stdout, second.stdout
+    assert {s for s in ran(second.stdout) if not s.startswith(ALWAYS)} == set(), second.stdout
+    assert {p.name: p.read_text() for p in (repo / "artifacts/registry").iterdir()} == receipts, "re-registered"
     verify = subprocess.run([str(Path(sys.executable).parent / "kiln"), "verify", "artifacts"], cwd=repo,
                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)})
     assert verify.returncode == 0, verify.stdout
+
+
+@pytest.mark.slow
+def test_fingerprint_change_rebuilds_only_that_targets_engines(repo):
+    """A new runtime version in the fingerprint invalidates compile for that target and nothing upstream."""
+    fp = repo / "artifacts/toolchain/ort-cpu.yaml"
+    original = fp.read_text()
+    fp.write_text(original.replace("onnxruntime: 1.", "onnxruntime: 0."))
+    try:
+        status = dvc(repo, "status", "--json")
+        stale = {k for k in json.loads(status.stdout or "{}") if not k.startswith(ALWAYS)}
+        assert {"compile@embedder-ort-cpu-fp32", "compile@embedder-ort-cpu-int8"} <= stale, stale
+        assert not {s for s in stale if s.split("@")[0] in ("assets", "dataset", "golden", "export", "calibrate",
+                                                               "quantize")}, stale
+    finally:
+        fp.write_text(original)
+
+
+@pytest.mark.slow
+def test_failing_gate_stops_the_dag(repo):
+    params = repo / "params.yaml"
+    original = params.read_text()
+    params.write_text(original.replace("l2_max: 0.12", "l2_max: 0.0"))
+    try:
+        r = dvc(repo, "repro")
+        assert r.returncode != 0
+        stages = ran(r.stdout)
+        assert any(s.startswith("validate@") for s in stages), r.stdout
+        assert not any(s.startswith(("bench@", "register@")) for s in stages), r.stdout
+        assert "gate failed" in r.stderr + r.stdout
+        verdicts = [json.loads(p.read_text())["verdict"] for p in (repo / "artifacts/validation").rglob("validation.json")]
+        assert "fail" in verdicts
+    finally:
+        params.write_text(original)
