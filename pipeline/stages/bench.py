@@ -34,7 +34,11 @@ t0 = time.perf_counter()
 from pathlib import Path
 import numpy as np
 from pipeline import targets
+import onnx, onnxruntime  # noqa: F401  (runtime imports count as baseline, not as the engine's memory)
 t_import = time.perf_counter()
+def rss_mb():  # current resident set; ru_maxrss is a high-water mark that the imports already set
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+rss_base = rss_mb()
 runner = targets.get(sys.argv[1]).load(Path(sys.argv[2]))
 t_load = time.perf_counter()
 x = np.random.default_rng(0).uniform(0, 255, [1] + json.loads(sys.argv[3])).astype(np.float32)
@@ -44,7 +48,8 @@ for _ in range(5):
     runner.run(np.repeat(x, int(sys.argv[4]), 0))
 print(json.dumps({"import_ms": (t_import - t0) * 1e3, "load_ms": (t_load - t_import) * 1e3,
                   "first_inference_ms": (t_first - t_load) * 1e3,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "engine_rss_mb": rss_mb() - rss_base}))
 """
 
 
@@ -156,11 +161,11 @@ def table(report: dict, batches: tuple[int, ...], extra: dict[str, dict[str, flo
     extra = extra or {}
     extra_cols = sorted({k for v in extra.values() for k in v})
     cols = [f"b{b} p50 ms" for b in batches] + [f"b{b} p99 ms" for b in batches] + \
-        [f"b{b} ×eager" for b in batches] + [f"b{b} ×fp32" for b in batches] + ["cold ms", "RSS MB"] + extra_cols
+        [f"b{b} ×eager" for b in batches] + [f"b{b} ×fp32" for b in batches] + ["cold ms", "peak RSS MB", "engine MB"] + extra_cols
     lines = ["| engine | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, m in report["engines"].items():
         vals = [m.get(f"b{b}_p50_ms") for b in batches] + [m.get(f"b{b}_p99_ms") for b in batches] + \
             [m.get(f"b{b}_speedup_vs_eager") for b in batches] + [m.get(f"b{b}_speedup_vs_fp32") for b in batches] + \
-            [m.get("cold_start_ms"), m.get("peak_rss_mb")] + [extra.get(name, {}).get(c) for c in extra_cols]
+            [m.get("cold_start_ms"), m.get("peak_rss_mb"), m.get("engine_rss_mb")] + [extra.get(name, {}).get(c) for c in extra_cols]
         lines.append(f"| {name} | " + " | ".join("" if v is None else f"{v:.4g}" for v in vals) + " |")
     return "\n".join(lines)
