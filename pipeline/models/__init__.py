@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import torch
 
@@ -10,16 +11,17 @@ from pipeline.config import ModelConfig
 from pipeline.errors import KilnError
 
 
-def build(cfg: ModelConfig) -> torch.nn.Module:
-    """Instantiate a model in eval mode from its params.yaml entry."""
+def build(cfg: ModelConfig, root: Path = Path(".")) -> torch.nn.Module:
+    """Instantiate a model in eval mode from its params.yaml entry; `weights` is relative to the project root."""
     module_name, _, attr = cfg.factory.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise KilnError(f"params.yaml: models.{cfg.name}.factory: cannot import {cfg.factory!r} ({e})",
                         "name an importable 'module:callable'") from None
-    if not cfg.weights.is_file():
-        raise KilnError(f"{cfg.weights}: weights for model {cfg.name!r} not found",
+    weights = Path(root) / cfg.weights
+    if not weights.is_file():
+        raise KilnError(f"{weights}: weights for model {cfg.name!r} not found",
                         "run `dvc repro assets` (or `kiln assets`), or fix models.<name>.weights in params.yaml")
-    model = factory(cfg.weights)
+    model = factory(weights)
     return model.eval()

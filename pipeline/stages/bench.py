@@ -124,7 +124,7 @@ def measure_model(cfg: Config, model_name: str, root: Path = Path("."), progress
     threads = {int(cfg.targets[e.target].options.get("threads", 0)) for e in engines} - {0}
     if threads:
         torch.set_num_threads(max(threads))
-    eager = models.build(mcfg)
+    eager = models.build(mcfg, root)
 
     def run_eager(x: np.ndarray):
         with torch.inference_mode():

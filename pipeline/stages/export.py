@@ -79,7 +79,7 @@ def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ExportResult:
     out = paths.export(model_name, root)
     with atomic_dir(out) as d:
         onnx_path = d / "model.onnx"
-        export_onnx(models.build(mcfg), mcfg, ecfg, onnx_path)
+        export_onnx(models.build(mcfg, root), mcfg, ecfg, onnx_path)
         ops, shapes = check_graph(onnx_path)
         par = parity(onnx_path, to_nchw(gset.chips), reference)
         passed = par["max_abs"] <= ecfg.parity_max_abs and par["cosine_min"] >= ecfg.parity_min_cosine

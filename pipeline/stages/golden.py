@@ -48,7 +48,7 @@ def run(cfg: Config, model_name: str, root: Path = Path(".")) -> GoldenResult:
     mcfg = cfg.model(model_name)
     set_dir = paths.data_set("golden", root)
     gset = load_set(set_dir)
-    emb = reference_outputs(models.build(mcfg), to_nchw(gset.chips))
+    emb = reference_outputs(models.build(mcfg, root), to_nchw(gset.chips))
     plain = np.array([s["augmentation"] is None for s in gset.index["samples"]])
     summary = {"count": int(len(emb)), "dim": int(emb.shape[1]), "golden_set_xxh3_128": gset.content_hash,
                "plain_chips": pair_distances(emb[plain], gset.labels[plain]),

@@ -1,0 +1,1 @@
+"""Matching: synthetic-but-realistic galleries (gallery.py) and FAISS index build, search and recall (index.py)."""

@@ -1,0 +1,269 @@
+"""FAISS indexes for the matching stage: build by spec, search, recall against exact search, latency, bytes, choice.
+
+Spec strings (also the `<kind>` of `index@<kind>-<size>`):
+    flat                                  exact IndexFlatL2
+    hnsw:M=32,ef=64                       IndexHNSWFlat, efSearch
+    ivf-flat:nlist=256,nprobe=16          IndexIVFFlat
+    ivf-pq:nlist=256,m=16,nbits=8,nprobe=16
+    sq8                                   IndexScalarQuantizer QT_8bit
+
+Determinism: training vectors are a seeded, sorted sample of the gallery (its ids' and bytes' hash is recorded);
+FAISS k-means seeds are fixed; thread count is fixed with omp_set_num_threads; HNSW is built single-threaded
+because its parallel insertion order is not deterministic.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from pipeline.errors import KilnError
+
+SEED = 1234
+THREADS = 2
+THRESHOLD = 0.6   # dlib verification threshold (L2); params.yaml models.embedder.verify_threshold
+
+_KINDS = {"flat": (), "sq8": (), "hnsw": ("M", "ef"), "ivf-flat": ("nlist", "nprobe"),
+          "ivf-pq": ("nlist", "m", "nbits", "nprobe")}
+_DEFAULTS = {"hnsw": {"M": 32, "ef": 64}, "ivf-flat": {"nlist": 256, "nprobe": 16},
+             "ivf-pq": {"nlist": 256, "m": 16, "nbits": 8, "nprobe": 16}}
+
+
+def _faiss():
+    import faiss  # lazy: `import pipeline` must not need faiss
+    return faiss
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    kind: str
+    params: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> "IndexSpec":
+        kind, _, rest = text.strip().lower().partition(":")
+        if kind not in _KINDS:
+            raise KilnError(f"unknown index kind {kind!r} in {text!r}", hint=f"use one of {', '.join(_KINDS)}")
+        params = dict(_DEFAULTS.get(kind, {}))
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            k, eq, v = item.partition("=")
+            key = next((n for n in _KINDS[kind] if n.lower() == k.strip().lower()), None)
+            if not eq or key is None:
+                raise KilnError(f"bad index parameter {item!r} in {text!r}",
+                                hint=f"{kind} takes {', '.join(_KINDS[kind]) or 'no parameters'} as key=int")
+            try:
+                params[key] = int(v)
+            except ValueError:
+                raise KilnError(f"index parameter {item!r} in {text!r} is not an integer") from None
+        return cls(kind, tuple((k, params[k]) for k in _KINDS[kind]))
+
+    @property
+    def p(self) -> dict[str, int]:
+        return dict(self.params)
+
+    @property
+    def name(self) -> str:
+        return self.kind + (":" + ",".join(f"{k}={v}" for k, v in self.params) if self.params else "")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def spec(s: "str | IndexSpec") -> IndexSpec:
+    return s if isinstance(s, IndexSpec) else IndexSpec.parse(s)
+
+
+def configure(threads: int = THREADS) -> None:
+    """Fixed thread count, and BLAS for batched exact search (faiss 1.15 only uses it from 128000 queries)."""
+    faiss = _faiss()
+    faiss.omp_set_num_threads(int(threads))
+    faiss.cvar.distance_compute_blas_threshold = 20
+
+
+def training_sample(n: int, size: int, seed: int = SEED) -> np.ndarray:
+    """Sorted ids of a seeded sample (all ids when size >= n)."""
+    if size >= n:
+        return np.arange(n, dtype=np.int64)
+    return np.sort(np.random.default_rng(seed).choice(n, size, replace=False)).astype(np.int64)
+
+
+@dataclass
+class Built:
+    spec: IndexSpec
+    index: object
+    build_s: float
+    train_ids_xxh3_128: str | None = None
+    train_xxh3_128: str | None = None
+    info: dict = field(default_factory=dict)
+
+
+def build(s: "str | IndexSpec", vectors: np.ndarray, seed: int = SEED, threads: int = THREADS,
+          train_size: int | None = None) -> Built:
+    """Build (train if needed, add all vectors) one index. Search-time knobs (efSearch, nprobe) are set too."""
+    faiss = _faiss()
+    sp = spec(s)
+    x = np.ascontiguousarray(vectors, dtype=np.float32)
+    n, d = x.shape
+    p = sp.p
+    configure(1 if sp.kind == "hnsw" else threads)
+    t0 = time.perf_counter()
+    train_ids = None
+    if sp.kind == "flat":
+        index = faiss.IndexFlatL2(d)
+    elif sp.kind == "sq8":
+        index = faiss.IndexScalarQuantizer(d, faiss.ScalarQuantizer.QT_8bit, faiss.METRIC_L2)
+        train_ids = training_sample(n, train_size or 65536, seed)
+    elif sp.kind == "hnsw":
+        index = faiss.IndexHNSWFlat(d, p["M"])
+        index.hnsw.efConstruction = max(40, 2 * p["M"])
+    elif sp.kind in ("ivf-flat", "ivf-pq"):
+        nlist = p["nlist"]
+        if n < nlist:
+            raise KilnError(f"{sp.name}: {n} vectors cannot train {nlist} lists", hint="lower nlist")
+        quantizer = faiss.IndexFlatL2(d)
+        if sp.kind == "ivf-flat":
+            index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_L2)
+        else:
+            if d % p["m"]:
+                raise KilnError(f"{sp.name}: m={p['m']} does not divide the dimension {d}")
+            index = faiss.IndexIVFPQ(quantizer, d, nlist, p["m"], p["nbits"])
+            index.pq.cp.seed = seed
+        index.cp.seed = seed
+        train_ids = training_sample(n, train_size or min(n, max(64 * nlist, 2 ** p.get("nbits", 0) * 64)), seed)
+    else:  # pragma: no cover - parse() rejects it
+        raise KilnError(f"unknown index kind {sp.kind}")
+    hashes = (None, None)
+    if train_ids is not None:
+        xt = x[train_ids]
+        hashes = (xxhash.xxh3_128(train_ids.tobytes()).hexdigest(), xxhash.xxh3_128(xt.tobytes()).hexdigest())
+        index.train(xt)
+    index.add(x)
+    set_search_params(index, sp)
+    build_s = time.perf_counter() - t0
+    configure(threads)
+    return Built(sp, index, build_s, *hashes,
+                 info={"n": n, "d": d, "train_n": 0 if train_ids is None else int(len(train_ids)),
+                       "seed": seed, "threads": 1 if sp.kind == "hnsw" else threads})
+
+
+def set_search_params(index, sp: IndexSpec) -> None:
+    p = sp.p
+    if sp.kind == "hnsw":
+        index.hnsw.efSearch = p["ef"]
+    elif sp.kind in ("ivf-flat", "ivf-pq"):
+        index.nprobe = p["nprobe"]
+
+
+def index_bytes(index) -> int:
+    return int(_faiss().serialize_index(index).nbytes)
+
+
+def index_hash(index) -> str:
+    return xxhash.xxh3_128(_faiss().serialize_index(index).tobytes()).hexdigest()
+
+
+def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(L2 distances (not squared), ids), both (nq, k)."""
+    d, i = index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+    return np.sqrt(np.maximum(d, 0)), i
+
+
+def recall_at_k(exact_ids: np.ndarray, approx_ids: np.ndarray, k: int) -> float:
+    """Mean over queries of |approx top-k ∩ exact top-k| / k (k = 1: top-1 agreement)."""
+    exact_ids, approx_ids = np.asarray(exact_ids), np.asarray(approx_ids)
+    if exact_ids.shape[0] != approx_ids.shape[0]:
+        raise KilnError(f"recall: {exact_ids.shape[0]} exact rows but {approx_ids.shape[0]} approximate rows")
+    if min(exact_ids.shape[1], approx_ids.shape[1]) < k:
+        raise KilnError(f"recall@{k} needs at least {k} results per query")
+    e, a = exact_ids[:, :k], approx_ids[:, :k]
+    hits = sum(len(np.intersect1d(er, ar[ar >= 0])) for er, ar in zip(e, a)) if k > 1 else int((e[:, 0] == a[:, 0]).sum())
+    return hits / (len(e) * k)
+
+
+def search_latency(index, queries: np.ndarray, batch: int, runs: int, k: int = 10) -> dict[str, float]:
+    """Wall time per search call of `batch` queries, cycling through `queries`; p50/p99 in ms (and per query)."""
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    if len(q) < batch:
+        q = np.resize(q, (batch, q.shape[1]))
+    index.search(q[:batch], k)   # warm-up
+    times = []
+    for r in range(runs):
+        s = (r * batch) % (len(q) - batch + 1)
+        t0 = time.perf_counter()
+        index.search(q[s:s + batch], k)
+        times.append((time.perf_counter() - t0) * 1e3)
+    p50, p99 = np.percentile(times, [50, 99])
+    return {"batch": batch, "runs": runs, "p50_ms": float(p50), "p99_ms": float(p99),
+            "p50_ms_per_query": float(p50) / batch}
+
+
+def memory_bandwidth_gbps(mib: int = 256, repeats: int = 3) -> float:
+    """Single-thread read bandwidth, GB/s: best of `repeats` sums over a float32 array far larger than L3."""
+    a = np.ones(mib * 2 ** 20 // 4, np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def scan_fraction(n: int, d: int, p50_ms: float, bw_gbps: float) -> float:
+    """Achieved bandwidth of one exact scan of n×d float32 per query (at p50), as a fraction of `bw_gbps`."""
+    return (n * d * 4 / (p50_ms / 1e3)) / (bw_gbps * 1e9)
+
+
+def identity_gate(exact_ids: np.ndarray, approx_ids: np.ndarray, labels: np.ndarray, query_labels: np.ndarray,
+                  exact_dist: np.ndarray | None = None, approx_dist: np.ndarray | None = None,
+                  threshold: float = THRESHOLD) -> dict[str, float]:
+    """Face-task agreement of an approximate index with exact search.
+
+    top1_identity_agreement: the top-1's label (−1 for a distractor) is the same under both searches.
+    top1_accuracy_exact / _approx: the top-1's label equals the query's true label.
+    With distances (L2, not squared): decision_agreement compares open-set decisions (label if the top-1 is under
+    `threshold`, else "unknown"), and accept_rate_* is the fraction of queries under the threshold.
+    """
+    labels, query_labels = np.asarray(labels), np.asarray(query_labels)
+    le, la = labels[np.asarray(exact_ids)[:, 0]], labels[np.asarray(approx_ids)[:, 0]]
+    out = {"top1_identity_agreement": float((le == la).mean()),
+           "top1_accuracy_exact": float((le == query_labels).mean()),
+           "top1_accuracy_approx": float((la == query_labels).mean()), "queries": int(len(le))}
+    if exact_dist is not None and approx_dist is not None:
+        ae, aa = np.asarray(exact_dist)[:, 0] < threshold, np.asarray(approx_dist)[:, 0] < threshold
+        de, da = np.where(ae, le, -2), np.where(aa, la, -2)
+        out.update(decision_agreement=float((de == da).mean()), accept_rate_exact=float(ae.mean()),
+                   accept_rate_approx=float(aa.mean()), threshold=float(threshold))
+    return out
+
+
+def choose(curve: list[dict], recall_target: float) -> dict:
+    """The cheapest row meeting recall@1 >= recall_target: lowest p50 at batch 1, then fewest bytes.
+
+    Each row needs "index", "recall@1", "p50_ms_b1" and "bytes".
+    """
+    if not 0 < recall_target <= 1:
+        raise KilnError(f"recall target {recall_target} is outside (0, 1]; recall@1 can never exceed 1.0",
+                        hint="set the matching recall target to a fraction such as 0.99")
+    ok = [r for r in curve if r["recall@1"] >= recall_target]
+    if not ok:
+        best = max(curve, key=lambda r: r["recall@1"], default=None)
+        got = f"; the best was {best['index']} at recall@1 {best['recall@1']:.4f}" if best else " (no indexes given)"
+        raise KilnError(f"no index reaches recall@1 >= {recall_target}{got}",
+                        hint="add a more exhaustive index (flat, or higher efSearch / nprobe) to the sweep, "
+                             "or lower the recall target")
+    return min(ok, key=lambda r: (r["p50_ms_b1"], r["bytes"]))
+
+
+def evaluate(built: Built, queries: np.ndarray, exact_ids: np.ndarray, k: int = 10, runs_b1: int = 200,
+             runs_b64: int = 20) -> dict:
+    """One row of the speed/recall curve."""
+    _, ids = search(built.index, queries, k)
+    b1 = search_latency(built.index, queries, 1, runs_b1, k)
+    b64 = search_latency(built.index, queries, 64, runs_b64, k)
+    return {"index": built.spec.name, "build_s": built.build_s, "bytes": index_bytes(built.index),
+            "recall@1": recall_at_k(exact_ids, ids, 1), "recall@10": recall_at_k(exact_ids, ids, min(10, k)),
+            "p50_ms_b1": b1["p50_ms"], "p99_ms_b1": b1["p99_ms"], "p50_ms_b64": b64["p50_ms"],
+            "p99_ms_b64": b64["p99_ms"], "train_xxh3_128": built.train_xxh3_128}

@@ -1,0 +1,194 @@
+"""Matching core: gallery generation (deterministic, bounded, realistic distances) and FAISS index recall/choice."""
+
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("faiss")
+
+from pipeline.errors import KilnError  # noqa: E402
+from pipeline.matching import gallery as g  # noqa: E402
+from pipeline.matching import index as ix  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def real():
+    """Golden dlib embeddings and labels when built; else a stand-in with the same shape of statistics."""
+    emb = REPO / "artifacts" / "golden" / "embedder" / "embeddings.npy"
+    if emb.is_file() and (REPO / "artifacts" / "data" / "golden").is_dir():
+        from pipeline import paths
+        from pipeline.data import load_set
+        return np.load(emb), load_set(paths.data_set("golden", REPO)).labels.astype(np.int64)
+    rng = np.random.default_rng(0)
+    common = rng.standard_normal(128) * 0.12
+    centres = common + rng.standard_normal((4, 128)) * 0.055
+    labels = np.repeat(np.arange(4), 12)
+    return (centres[labels] + rng.standard_normal((48, 128)) * 0.018).astype(np.float32), labels
+
+
+@pytest.fixture(scope="module")
+def dist(real):
+    return g.fit_distribution(*real)
+
+
+@pytest.fixture(scope="module")
+def gallery10k(real, dist):
+    return g.build_gallery(real[0], real[1], 10_000, dist, seed=7)
+
+
+# ----------------------------------------------------------------------------------------------- recall, choice
+
+def test_recall_known_answer():
+    rng = np.random.default_rng(1)
+    exact = np.stack([rng.permutation(1000)[:10] for _ in range(200)])
+    approx = exact.copy()
+    approx[:7, 0] = 5000 + np.arange(7)            # 7 top-1 misses
+    approx[7:20, 9] = 6000 + np.arange(13)         # 13 more misses in the tail
+    assert ix.recall_at_k(exact, approx, 1) == pytest.approx(193 / 200)
+    assert ix.recall_at_k(exact, approx, 10) == pytest.approx(1 - 20 / 2000)
+    # order inside the top-k does not matter for recall@k
+    assert ix.recall_at_k(exact, approx[:, ::-1].copy(), 10) == pytest.approx(1 - 20 / 2000)
+
+
+def _curve():
+    return [{"index": "flat", "recall@1": 1.0, "p50_ms_b1": 0.5, "bytes": 5_000_000},
+            {"index": "hnsw:M=32,ef=64", "recall@1": 0.98, "p50_ms_b1": 0.05, "bytes": 7_000_000},
+            {"index": "sq8", "recall@1": 0.995, "p50_ms_b1": 0.05, "bytes": 1_300_000},
+            {"index": "ivf-pq", "recall@1": 0.90, "p50_ms_b1": 0.02, "bytes": 400_000}]
+
+
+def test_choose_cheapest_meeting_target():
+    assert ix.choose(_curve(), 0.99)["index"] == "sq8"          # ties on p50 broken by memory
+    assert ix.choose(_curve(), 0.95)["index"] == "sq8"
+    assert ix.choose(_curve(), 0.85)["index"] == "ivf-pq"
+    assert ix.choose(_curve(), 1.0)["index"] == "flat"
+
+
+def test_too_strict_target_fails_clearly():
+    with pytest.raises(KilnError, match="outside") as e:
+        ix.choose(_curve(), 1.01)
+    assert e.value.hint
+    with pytest.raises(KilnError, match=r"no index reaches recall@1 >= 0.95; the best was sq8") as e:
+        ix.choose([r for r in _curve() if r["index"] != "flat"][1:], 0.999)
+    with pytest.raises(KilnError, match="best was hnsw"):
+        ix.choose(_curve()[1:2], 0.99)
+    assert "nprobe" in e.value.hint
+
+
+def test_spec_parse():
+    assert ix.IndexSpec.parse("HNSW:m=16").name == "hnsw:M=16,ef=64"
+    assert ix.IndexSpec.parse("ivf-pq:nlist=64,nprobe=4").p == {"nlist": 64, "m": 16, "nbits": 8, "nprobe": 4}
+    assert ix.IndexSpec.parse("flat").name == "flat"
+    for bad in ("annoy", "hnsw:K=3", "ivf-flat:nlist=x"):
+        with pytest.raises(KilnError):
+            ix.IndexSpec.parse(bad)
+
+
+def test_identity_gate_and_scan_fraction():
+    labels = np.array([0, 1, -1, -1])
+    exact, approx = np.array([[0], [1], [2]]), np.array([[0], [2], [2]])
+    gate = ix.identity_gate(exact, approx, labels, np.array([0, 1, 5]),
+                            np.array([[0.3], [0.4], [0.7]]), np.array([[0.3], [0.65], [0.7]]))
+    assert gate["top1_identity_agreement"] == pytest.approx(2 / 3)
+    assert gate["top1_accuracy_exact"] == pytest.approx(2 / 3) and gate["top1_accuracy_approx"] == pytest.approx(1 / 3)
+    assert gate["decision_agreement"] == pytest.approx(2 / 3)
+    assert ix.scan_fraction(1_000_000, 128, 51.2, 10.0) == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------------------------------------------- gallery
+
+def test_distractors_deterministic_and_prefix_stable(dist):
+    a, b = g.distractors(dist, 20_000, seed=3), g.distractors(dist, 20_000, seed=3)
+    assert a.dtype == np.float32 and a.shape == (20_000, 128)
+    assert np.array_equal(a, b)
+    assert np.array_equal(g.distractors(dist, 5_000, seed=3), a[:5_000])
+    assert not np.array_equal(g.distractors(dist, 100, seed=4), a[:100])
+
+
+def test_gallery_hash_deterministic(real, dist, gallery10k):
+    v, labels, h = gallery10k
+    v2, labels2, h2 = g.build_gallery(real[0], real[1], 10_000, dist, seed=7)
+    assert h == h2 and len(h) == 32
+    assert g.build_gallery(real[0], real[1], 10_000, dist, seed=8)[2] != h
+    assert (labels[:len(real[1])] == real[1]).all() and (labels[len(real[1]):] == -1).all()
+    assert np.array_equal(v[:len(real[0])], real[0].astype(np.float32))
+    with pytest.raises(KilnError, match="smaller than"):
+        g.build_gallery(real[0], real[1], 10, dist, seed=7)
+
+
+def test_distractors_memory_bounded(dist):
+    def extra(n):
+        tracemalloc.start()
+        out = g.distractors(dist, n, seed=1)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return peak - out.nbytes
+    small, large = extra(2 * g.CHUNK), extra(6 * g.CHUNK)
+    assert large < small + 2 * 2 ** 20           # temporaries do not grow with n
+    assert large < 4 * g.CHUNK * 256 * 8         # a few chunk-sized float64 buffers at most
+
+
+def test_distractors_look_like_strangers(real, dist):
+    rep = g.distance_report(g.distractors(dist, 1500, seed=2), real[0], threshold=0.6)
+    assert rep["distractor_pairs"]["frac_above_threshold"] > 0.95
+    assert rep["distractor_to_enrolled"]["frac_above_threshold"] > 0.8
+    assert 0.7 < rep["distractor_pairs"]["median"] < 1.1
+    norms = np.linalg.norm(real[0], axis=1)
+    assert norms.min() - 0.2 < rep["norms"]["median"] < norms.max() + 0.2   # not unit-normalised, like dlib
+
+
+# ------------------------------------------------------------------------------------------------------ faiss
+
+@pytest.fixture(scope="module")
+def queries(gallery10k, dist):
+    v, labels, _ = gallery10k
+    ids = np.concatenate([np.arange(48), np.random.default_rng(9).choice(np.arange(48, len(v)), 452, replace=False)])
+    return g.noisy_copies(v[ids], dist, seed=11), ids
+
+
+@pytest.fixture(scope="module")
+def exact(gallery10k, queries):
+    return ix.search(ix.build("flat", gallery10k[0]).index, queries[0], 10)
+
+
+def test_flat_is_exact(gallery10k, queries, exact):
+    v = gallery10k[0].astype(np.float64)
+    q = queries[0].astype(np.float64)
+    d2 = (q * q).sum(1)[:, None] + (v * v).sum(1)[None] - 2 * q @ v.T
+    brute = np.argsort(d2, 1)[:, :10]
+    assert ix.recall_at_k(brute, exact[1], 1) == 1.0
+    assert ix.recall_at_k(brute, exact[1], 10) == 1.0
+    assert ix.recall_at_k(exact[1], exact[1], 10) == 1.0
+    # enrolled-style queries find their source vector
+    assert (exact[1][:, 0] == queries[1]).mean() > 0.95
+
+
+def test_hnsw_recall_on_10k(gallery10k, queries, exact):
+    built = ix.build("hnsw:M=32,ef=128", gallery10k[0])
+    dist, ids = ix.search(built.index, queries[0], 10)
+    assert ix.recall_at_k(exact[1], ids, 1) >= 0.99
+    labels = gallery10k[1]
+    gate = ix.identity_gate(exact[1], ids, labels, labels[queries[1]], exact[0], dist)
+    assert gate["top1_identity_agreement"] >= 0.99 and gate["decision_agreement"] >= 0.99
+
+
+def test_trained_index_deterministic(gallery10k):
+    v = gallery10k[0][:5000]
+    a, b = ix.build("ivf-pq:nlist=32,m=16,nbits=6,nprobe=8", v), ix.build("ivf-pq:nlist=32,m=16,nbits=6,nprobe=8", v)
+    assert a.train_xxh3_128 == b.train_xxh3_128 and a.train_xxh3_128
+    assert ix.index_hash(a.index) == ix.index_hash(b.index)
+    assert ix.index_bytes(a.index) < v.nbytes / 4
+    with pytest.raises(KilnError, match="cannot train"):
+        ix.build("ivf-flat:nlist=64", v[:10])
+
+
+def test_latency_and_bandwidth_shapes(gallery10k, queries):
+    lat = ix.search_latency(ix.build("sq8", gallery10k[0]).index, queries[0], 4, 5)
+    assert 0 < lat["p50_ms"] <= lat["p99_ms"]
+    assert ix.memory_bandwidth_gbps(mib=64, repeats=2) > 0.5
