@@ -74,7 +74,7 @@ def test_too_strict_target_fails_clearly():
     with pytest.raises(KilnError, match="outside") as e:
         ix.choose(_curve(), 1.01)
     assert e.value.hint
-    with pytest.raises(KilnError, match=r"no index reaches recall@1 >= 0.95; the best was sq8") as e:
+    with pytest.raises(KilnError, match=r"no index reaches recall@1 >= 0.999; the best was sq8") as e:
         ix.choose([r for r in _curve() if r["index"] != "flat"][1:], 0.999)
     with pytest.raises(KilnError, match="best was hnsw"):
         ix.choose(_curve()[1:2], 0.99)
