@@ -158,7 +158,7 @@ def test_session_never_sees_more_than_one_batch(preprocessed, subset, cfg, monke
 
     def spy(chips, batch):
         for x in real(chips, batch):
-            seen.append(len(x))
+            seen.append(len(next(iter(x.values()))))
             yield x
 
     monkeypatch.setattr(calibrate, "_batches", spy)

@@ -19,9 +19,10 @@ def build(cfg: ModelConfig, root: Path = Path(".")) -> torch.nn.Module:
     except (ImportError, AttributeError) as e:
         raise KilnError(f"params.yaml: models.{cfg.name}.factory: cannot import {cfg.factory!r} ({e})",
                         "name an importable 'module:callable'") from None
+    if cfg.weights is None:  # a graph with no learned weights (the aligner)
+        return factory().eval()
     weights = Path(root) / cfg.weights
     if not weights.is_file():
         raise KilnError(f"{weights}: weights for model {cfg.name!r} not found",
                         "run `dvc repro assets` (or `kiln assets`), or fix models.<name>.weights in params.yaml")
-    model = factory(weights)
-    return model.eval()
+    return factory(weights).eval()

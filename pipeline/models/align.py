@@ -59,11 +59,21 @@ class Aligner(nn.Module):
     def forward(self, image: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         n = theta.shape[0]
         pts = torch.matmul(self.base, theta.transpose(1, 2))             # (N, S*S, 2) image pixel coords
-        hw = torch.tensor(image.shape[-2:], dtype=torch.float32).flip(0)  # (W, H)
+        hw = torch._shape_as_tensor(image)[2:].flip(0).to(torch.float32)  # (W, H), a graph Shape op when exported
         grid = (2.0 * pts + 1.0) / hw - 1.0                             # pixel centres → [-1, 1], align_corners=False
         grid = grid.reshape(n, self.size, self.size, 2)
         return F.grid_sample(image.expand(n, -1, -1, -1), grid, mode="bilinear", padding_mode="border",
                              align_corners=False)
+
+
+class AlignerGraph(Aligner):
+    """The exported aligner: inputs named `image` and `theta`, output `chips`."""
+
+    output_names = ("chips",)
+
+
+def build_aligner(size: int = 150) -> AlignerGraph:
+    return AlignerGraph(size)
 
 
 def chip_transform(landmarks: np.ndarray, template: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:

@@ -107,11 +107,7 @@ class ONet(nn.Module):
 
 def load_nets(pnet_pt: str | Path, rnet_pt: str | Path, onet_pt: str | Path) -> tuple[PNet, RNet, ONet]:
     """Build the three nets from their state dicts (strict) and put them in eval mode."""
-    nets = (PNet(), RNet(), ONet())
-    for net, path in zip(nets, (pnet_pt, rnet_pt, onet_pt)):
-        net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=True)
-        net.eval()
-    return nets
+    return build_pnet(pnet_pt), build_rnet(rnet_pt), build_onet(onet_pt)
 
 
 def torch_runner(module: nn.Module) -> Runner:
@@ -180,8 +176,10 @@ def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "un
 
 
 def _integral(rgb: np.ndarray) -> np.ndarray:
-    s = np.zeros((rgb.shape[0] + 1, rgb.shape[1] + 1, rgb.shape[2]), dtype=np.float64)
-    s[1:, 1:] = rgb.cumsum(0, dtype=np.float64).cumsum(1)
+    # Exact integer sums (int32 while they fit: ~2x faster than float64 on a 1 Mpx photo, same values).
+    dtype = np.int32 if rgb.shape[0] * rgb.shape[1] * 255 < 2**31 else np.int64
+    s = np.zeros((rgb.shape[0] + 1, rgb.shape[1] + 1, rgb.shape[2]), dtype=dtype)
+    s[1:, 1:] = rgb.cumsum(0, dtype=dtype).cumsum(1, dtype=dtype)
     return s
 
 
@@ -278,3 +276,27 @@ def detect(rgb: np.ndarray, pnet: Runner | nn.Module, rnet: Runner | nn.Module, 
     boxes = _bbreg(boxes, reg)
     pick = nms(boxes, boxes[:, 4], cfg.nms_thresholds[3], mode="min")
     return [Face(tuple(float(v) for v in boxes[i, :4]), float(boxes[i, 4]), points[i]) for i in pick]
+
+
+# Factories named in params.yaml (`models.<net>.factory`): one exportable graph each, outputs named for ONNX.
+PNet.output_names = ("bbox_reg", "prob")
+RNet.output_names = ("bbox_reg", "prob")
+ONet.output_names = ("bbox_reg", "landmarks", "prob")
+
+
+def _build(cls: type[nn.Module], weights: str | Path) -> nn.Module:
+    net = cls()
+    net.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True), strict=True)
+    return net.eval()
+
+
+def build_pnet(weights: str | Path) -> PNet:
+    return _build(PNet, weights)
+
+
+def build_rnet(weights: str | Path) -> RNet:
+    return _build(RNet, weights)
+
+
+def build_onet(weights: str | Path) -> ONet:
+    return _build(ONet, weights)

@@ -24,6 +24,7 @@ import numpy as np
 from pipeline import models, paths, targets, toolchain
 from pipeline.config import Config
 from pipeline.manifest import write_json_atomic
+from pipeline.targets.base import synthetic_feed
 
 ROUNDS = 5
 EAGER = "pytorch-eager"
@@ -34,6 +35,7 @@ t0 = time.perf_counter()
 from pathlib import Path
 import numpy as np
 from pipeline import targets
+from pipeline.targets.base import synthetic_feed as bench_feed
 import onnx, onnxruntime  # noqa: F401  (runtime imports count as baseline, not as the engine's memory)
 t_import = time.perf_counter()
 def rss_mb():  # current resident set; ru_maxrss is a high-water mark that the imports already set
@@ -41,11 +43,12 @@ def rss_mb():  # current resident set; ru_maxrss is a high-water mark that the i
 rss_base = rss_mb()
 runner = targets.get(sys.argv[1]).load(Path(sys.argv[2]))
 t_load = time.perf_counter()
-x = np.random.default_rng(0).uniform(0, 255, [1] + json.loads(sys.argv[3])).astype(np.float32)
-runner.run(x)
+kind, shape = sys.argv[5], tuple(json.loads(sys.argv[3]))
+runner.run_all(bench_feed(kind, shape, 1))
 t_first = time.perf_counter()
+big = bench_feed(kind, shape, int(sys.argv[4]))
 for _ in range(5):
-    runner.run(np.repeat(x, int(sys.argv[4]), 0))
+    runner.run_all(big)
 print(json.dumps({"import_ms": (t_import - t0) * 1e3, "load_ms": (t_load - t_import) * 1e3,
                   "first_inference_ms": (t_first - t_load) * 1e3,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -59,17 +62,18 @@ class BenchResult:
     failures: list[str]
 
 
-def cold_start(target: str, engine_dir: Path, input_shape: tuple[int, ...], max_batch: int) -> dict[str, float]:
-    """Fresh process: import, session creation, first inference; peak RSS after a few max-batch inferences."""
+def cold_start(target: str, engine_dir: Path, input_shape: tuple[int, ...], max_batch: int,
+               kind: str = "chips") -> dict[str, float]:
+    """Fresh process: import, session creation, first inference; resident memory after max-batch inferences."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", _COLD, target, str(engine_dir), json.dumps(list(input_shape)),
-                          str(max_batch)], capture_output=True, text=True, check=True, env=env)
+                          str(max_batch), kind], capture_output=True, text=True, check=True, env=env)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["cold_start_ms"] = r["load_ms"] + r["first_inference_ms"]
     return {k: round(v, 3) for k, v in r.items()}
 
 
-def measure(variants: dict[str, Callable[[np.ndarray], object]], inputs: dict[int, np.ndarray], warmup: int,
+def measure(variants: dict[str, Callable[[dict], object]], inputs: dict[int, dict], warmup: int,
             min_runs: int, min_seconds: float, progress=print) -> dict[str, dict[int, np.ndarray]]:
     """Latencies (ms) per variant and batch, interleaved over ROUNDS rounds so noise is shared."""
     times = {v: {b: [] for b in inputs} for v in variants}
@@ -110,14 +114,13 @@ def run(cfg: Config, model_name: str, root: Path = Path("."), progress=print) ->
 def measure_model(cfg: Config, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
     mcfg, bcfg = cfg.model(model_name), cfg.bench
     engines = [e for e in cfg.engines_of(model_name)]
-    rng = np.random.default_rng(0)
-    inputs = {b: rng.uniform(0, 255, (b, *mcfg.input_shape)).astype(np.float32) for b in bcfg.batches}
+    inputs = {b: synthetic_feed(mcfg.samples, mcfg.input_shape, b) for b in bcfg.batches}
     report: dict = {"model": model_name, "engines": {}, "ratios": {}, "host": toolchain.cpu(),
                     "python": platform.python_version(), "settings": cfg.section("bench")}
     for e in engines:  # cold start first, in fresh processes, before this process warms anything
         report["engines"][e.name] = cold_start(e.target, paths.engine(e.name, root), mcfg.input_shape,
-                                               max(bcfg.batches))
-    variants: dict[str, Callable] = {e.name: targets.get(e.target).load(paths.engine(e.name, root)).run
+                                               max(bcfg.batches), mcfg.samples)
+    variants: dict[str, Callable] = {e.name: targets.get(e.target).load(paths.engine(e.name, root)).run_all
                                      for e in engines}
     import torch
 
@@ -126,9 +129,9 @@ def measure_model(cfg: Config, model_name: str, root: Path = Path("."), progress
         torch.set_num_threads(max(threads))
     eager = models.build(mcfg, root)
 
-    def run_eager(x: np.ndarray):
+    def run_eager(feed: dict[str, np.ndarray]):
         with torch.inference_mode():
-            return eager(torch.from_numpy(x))
+            return eager(*(torch.from_numpy(v) for v in feed.values()))
 
     variants[EAGER] = run_eager
     lat = measure(variants, inputs, bcfg.warmup, bcfg.min_runs, bcfg.min_seconds, progress)

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from pipeline import paths, toolchain
+from pipeline import paths, samples, toolchain
 from pipeline.config import CalibrateConfig, Config
 from pipeline.data import load_set, to_nchw
 from pipeline.errors import KilnError
@@ -134,13 +134,22 @@ def augment(model: onnx.ModelProto, tensors: list[str]) -> onnx.ModelProto:
     return aug
 
 
-def _batches(chips: np.ndarray, batch: int) -> Iterator[np.ndarray]:
-    for i in range(0, len(chips), batch):
-        yield to_nchw(chips[i:i + batch])
+def _batches(source, batch: int) -> Iterator[dict[str, np.ndarray]]:
+    """Feeds to stream: uint8 chips (N, S, S, 3) converted `batch` at a time, or pre-batched model feeds
+    (`pipeline.samples`, e.g. the inputs the detector's nets see), passed through one at a time."""
+    if isinstance(source, np.ndarray):
+        for i in range(0, len(source), batch):
+            yield {"input": to_nchw(source[i:i + batch])}
+    else:
+        yield from source
+
+
+def _count(source) -> int:
+    return len(source) if isinstance(source, np.ndarray) else samples.sample_count(source)
 
 
 # ---------------------------------------------------------------------------------------------- statistics
-def collect_minmax(run_batch: Callable[[np.ndarray], list[np.ndarray]], chips: np.ndarray, batch: int,
+def collect_minmax(run_batch: Callable[[dict], list[np.ndarray]], chips, batch: int,
                    n: int) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = np.full(n, np.inf, np.float64), np.full(n, -np.inf, np.float64)
     for x in _batches(chips, batch):
@@ -154,7 +163,7 @@ def collect_minmax(run_batch: Callable[[np.ndarray], list[np.ndarray]], chips: n
     return lo, hi
 
 
-def collect_histograms(run_batch: Callable[[np.ndarray], list[np.ndarray]], chips: np.ndarray, batch: int,
+def collect_histograms(run_batch: Callable[[dict], list[np.ndarray]], chips, batch: int,
                        amax: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
     """(tensors, bins) int64 counts of |x| over [0, amax] per tensor (bin b covers [b, b+1) · amax / bins), and the
     (tensors,) count of exact zeros among them (all in bin 0)."""
@@ -276,9 +285,10 @@ def differs(chosen: dict[str, dict[str, float]], minmax: dict[str, dict[str, flo
 
 
 # ---------------------------------------------------------------------------------------------- core
-def compute_ranges(model_path: Path, chips: np.ndarray, ccfg: CalibrateConfig,
+def compute_ranges(model_path: Path, chips, ccfg: CalibrateConfig,
                    progress: Callable[[str], None] = print, label: str = "calibrate") -> tuple[dict, dict]:
-    """Stream `chips` through `model_path` (pre-processed) → (ranges.json content without graph digest, timings)."""
+    """Stream `chips` (uint8 chips or a sequence of feeds) through `model_path` (pre-processed)
+    → (ranges.json content without graph digest, timings)."""
     import onnxruntime as ort
 
     model = onnx.load(str(model_path))
@@ -287,17 +297,16 @@ def compute_ranges(model_path: Path, chips: np.ndarray, ccfg: CalibrateConfig,
         raise KilnError(f"{model_path}: no quantizable float tensors found", "is this a float ONNX model?")
     sess = ort.InferenceSession(augment(model, tensors).SerializeToString(), providers=["CPUExecutionProvider"])
     del model
-    feed = sess.get_inputs()[0].name
 
-    def run_batch(x: np.ndarray) -> list[np.ndarray]:
-        return sess.run(tensors, {feed: x})
+    def run_batch(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return sess.run(tensors, feed)
 
     seconds = {}
     t0 = time.perf_counter()
     lo, hi = collect_minmax(run_batch, chips, ccfg.batch, len(tensors))
     seconds["minmax"] = round(time.perf_counter() - t0, 3)
     progress(f"{label}: pass 1/{1 if ccfg.method == 'minmax' else 2} min/max: {len(tensors)} tensors × "
-             f"{len(chips)} samples in {seconds['minmax']:.1f} s")
+             f"{_count(chips)} samples in {seconds['minmax']:.1f} s")
     minmax = {t: {"min": float(lo[k]), "max": float(hi[k])} for k, t in enumerate(tensors)}
     chosen = minmax
     if ccfg.method != "minmax":
@@ -310,9 +319,9 @@ def compute_ranges(model_path: Path, chips: np.ndarray, ccfg: CalibrateConfig,
             a, b = clip_range(float(lo[k]), float(hi[k]), th)
             chosen[t] = {"min": a, "max": b}
         seconds[ccfg.method] = round(time.perf_counter() - t0, 3)
-        progress(f"{label}: pass 2/2 {ccfg.method} ({ccfg.bins} bins): {len(tensors)} tensors × {len(chips)} "
+        progress(f"{label}: pass 2/2 {ccfg.method} ({ccfg.bins} bins): {len(tensors)} tensors × {_count(chips)} "
                  f"samples in {seconds[ccfg.method]:.1f} s")
-    return {"method": ccfg.method, "tensors": chosen, "minmax": minmax, "samples": int(len(chips))}, seconds
+    return {"method": ccfg.method, "tensors": chosen, "minmax": minmax, "samples": _count(chips)}, seconds
 
 
 def run(cfg: Config, model_name: str, root: Path = Path("."), progress: Callable[[str], None] = print
@@ -321,7 +330,8 @@ def run(cfg: Config, model_name: str, root: Path = Path("."), progress: Callable
     ccfg = cfg.calibrate
     cfg.model(model_name)
     export_dir, set_dir = paths.export(model_name, root), paths.data_set("calibration", root)
-    chips = load_set(set_dir).chips
+    mcfg = cfg.model(model_name)
+    chips = load_set(set_dir).chips if mcfg.samples == "chips" else samples.feeds(cfg, model_name, "calibration", root)
     label = f"calibrate@{model_name}"
     out = paths.calibration(model_name, root)
     with tempfile.TemporaryDirectory(prefix="kiln-calibrate-") as tmp, atomic_dir(out) as d:

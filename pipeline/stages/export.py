@@ -17,14 +17,11 @@ import numpy as np
 import onnx
 import torch
 
-from pipeline import models, paths, toolchain
+from pipeline import models, paths, samples, toolchain
 from pipeline.config import Config, ExportConfig, ModelConfig
-from pipeline.data import load_set, to_nchw
 from pipeline.errors import GateFailed, KilnError
+from pipeline.stages.golden import load_reference
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_manifest
-
-PARITY_BATCH = 8
-
 
 @dataclass(frozen=True)
 class ExportResult:
@@ -33,17 +30,27 @@ class ExportResult:
     ops: dict[str, int]
 
 
-def export_onnx(model: torch.nn.Module, mcfg: ModelConfig, ecfg: ExportConfig, path: Path) -> None:
-    """Write the ONNX graph of `model` with a dynamic batch axis. Deterministic for a pinned exporter."""
-    dummy = torch.zeros(2, *mcfg.input_shape)
+def export_onnx(model: torch.nn.Module, mcfg: ModelConfig, ecfg: ExportConfig, path: Path,
+                example: dict[str, np.ndarray] | None = None) -> None:
+    """Write the ONNX graph of `model`, with the dynamic axes of params `models.<name>.dynamic`.
+
+    `example` (a golden feed) gives the input names, order and shapes; by default one input named `input` of
+    batch 2 × `input_shape`. Deterministic for a pinned exporter.
+    """
+    if example is None:
+        example = {"input": np.zeros((2, *mcfg.input_shape), np.float32)}
     output_names = list(getattr(model, "output_names", ["output"]))
-    axes = {"input": {0: "batch"}, **{name: {0: "batch"} for name in output_names}}
+    axes = {name: {a: f"{name}_{a}" for a in mcfg.dynamic.get(name, ())} for name in example}
+    axes.update({name: {0: "batch"} for name in output_names if mcfg.samples != "pnet"})
+    if mcfg.samples == "pnet":  # fully convolutional: every output spatial size follows the input's
+        axes.update({name: {0: "batch", 2: "out_h", 3: "out_w"} for name in output_names})
+    args = tuple(torch.from_numpy(v) for v in example.values())
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice; the choice is pinned
         kwargs = {"external_data": False} if ecfg.exporter == "dynamo" else {}
-        torch.onnx.export(model, (dummy,), str(path), dynamo=ecfg.exporter == "dynamo", opset_version=ecfg.opset,
-                          input_names=["input"], output_names=output_names, dynamic_axes=axes,
-                          do_constant_folding=True, **kwargs)
+        torch.onnx.export(model, args, str(path), dynamo=ecfg.exporter == "dynamo", opset_version=ecfg.opset,
+                          input_names=list(example), output_names=output_names,
+                          dynamic_axes={k: v for k, v in axes.items() if v}, do_constant_folding=True, **kwargs)
 
 
 def check_graph(path: Path) -> tuple[dict[str, int], dict[str, list]]:
@@ -59,45 +66,52 @@ def check_graph(path: Path) -> tuple[dict[str, int], dict[str, list]]:
     return ops, shapes
 
 
-def parity(onnx_path: Path, x: np.ndarray, reference: np.ndarray) -> dict[str, float]:
-    """ONNX Runtime (CPU) vs the PyTorch reference: max |Δ| and min/mean per-sample cosine."""
+def parity(onnx_path: Path, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
+    """ONNX Runtime (CPU) vs the PyTorch reference on every feed and output: max |Δ| and per-sample cosine."""
     import onnxruntime as ort
 
     sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    name = sess.get_inputs()[0].name
-    got = np.concatenate([sess.run(None, {name: x[i:i + PARITY_BATCH]})[0] for i in range(0, len(x), PARITY_BATCH)])
-    cos = np.sum(got * reference, 1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1))
-    return {"max_abs": float(np.abs(got - reference).max()), "cosine_min": float(cos.min()),
-            "cosine_mean": float(cos.mean()), "samples": int(len(x))}
+    max_abs, cosines, n = 0.0, [], 0
+    for feed, ref in zip(feeds, reference):
+        got = sess.run(None, feed)
+        n += next(iter(feed.values())).shape[0]
+        for g, r in zip(got, ref):
+            g2, r2 = g.reshape(len(g), -1).astype(np.float64), r.reshape(len(r), -1).astype(np.float64)
+            max_abs = max(max_abs, float(np.abs(g2 - r2).max()))
+            cosines.append(np.sum(g2 * r2, 1) / np.maximum(np.linalg.norm(g2, axis=1) * np.linalg.norm(r2, axis=1),
+                                                            1e-30))
+    cos = np.concatenate(cosines)
+    return {"max_abs": max_abs, "cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "samples": n}
 
 
 def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ExportResult:
     mcfg, ecfg = cfg.model(model_name), cfg.export
-    set_dir, golden_dir = paths.data_set("golden", root), paths.golden(model_name, root)
-    gset = load_set(set_dir)
-    reference = np.load(golden_dir / "embeddings.npy", allow_pickle=False)
+    golden_dir = paths.golden(model_name, root)
+    feeds = samples.feeds(cfg, model_name, "golden", root)
+    _, reference = load_reference(golden_dir)
     out = paths.export(model_name, root)
     with atomic_dir(out) as d:
         onnx_path = d / "model.onnx"
-        export_onnx(models.build(mcfg, root), mcfg, ecfg, onnx_path)
+        export_onnx(models.build(mcfg, root), mcfg, ecfg, onnx_path, feeds[0])
         ops, shapes = check_graph(onnx_path)
-        par = parity(onnx_path, to_nchw(gset.chips), reference)
-        passed = par["max_abs"] <= ecfg.parity_max_abs and par["cosine_min"] >= ecfg.parity_min_cosine
+        par = parity(onnx_path, feeds, reference)
+        max_abs = ecfg.parity_max_abs if mcfg.parity_max_abs is None else mcfg.parity_max_abs
+        passed = par["max_abs"] <= max_abs and par["cosine_min"] >= ecfg.parity_min_cosine
         if not passed:
             raise GateFailed(f"export@{model_name}: ONNX Runtime differs from PyTorch beyond tolerance: max |Δ| "
-                             f"{par['max_abs']:.3g} (limit {ecfg.parity_max_abs:g}), min cosine "
+                             f"{par['max_abs']:.3g} (limit {max_abs:g}), min cosine "
                              f"{par['cosine_min']:.7f} (limit {ecfg.parity_min_cosine:g})",
                              "inspect the exported graph; loosen export.parity only with a reason")
         results = {"parity": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in par.items()},
-                   "parity_limits": {"max_abs": ecfg.parity_max_abs, "min_cosine": ecfg.parity_min_cosine},
+                   "parity_limits": {"max_abs": max_abs, "min_cosine": ecfg.parity_min_cosine},
                    "ops": ops, "nodes": sum(ops.values()), "outputs": shapes}
         write_manifest(d, build_manifest(
             kind="onnx", name=model_name, model=model_name, precision="fp32", directory=d, files=[onnx_path],
-            inputs=[input_ref("golden", manifest_path(golden_dir, model_name), root),
-                    input_ref("golden_set", manifest_path(set_dir, "golden"), root)],
+            inputs=[input_ref("golden", manifest_path(golden_dir, model_name), root)],
             toolchain=toolchain.describe("torch", "onnx", "onnxruntime"),
-            build={"exporter": ecfg.exporter, "opset": ecfg.opset, "dynamic_axes": {"input": ["batch"]},
-                   "input_shape": ["batch", *mcfg.input_shape]},
+            build={"exporter": ecfg.exporter, "opset": ecfg.opset,
+                   "dynamic_axes": {k: list(v) for k, v in mcfg.dynamic.items()},
+                   "inputs": {k: list(v.shape) for k, v in feeds[0].items()}},
             source=source_info(root, {"export": cfg.section("export"), "model": cfg.section("models", model_name)}),
             results=results))
     return ExportResult(out / "model.onnx", results["parity"], ops)

@@ -1,33 +1,64 @@
-"""golden@<model>: the FP32 PyTorch reference outputs on the golden set. Every later validation compares to these."""
+"""golden@<model>: the FP32 PyTorch reference outputs on the golden inputs. Every later check compares to these.
+
+Outputs are stored one file per feed and output (`reference/0003.prob.npy`), because P-Net's inputs differ in size
+from one pyramid level to the next. Embedders (samples kind `chips`) also get `embeddings.npy`, all chips'
+embeddings in set order, which the face-task validation and the matching stages read.
+"""
 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from pipeline import models, paths, toolchain
+from pipeline import models, paths, samples, toolchain
 from pipeline.config import Config
-from pipeline.data import load_set, to_nchw
+from pipeline.data import load_set
+from pipeline.errors import KilnError
 from pipeline.manifest import (atomic_dir, build_manifest, file_digests, input_ref, manifest_path, source_info,
-                               write_bytes_atomic, write_manifest)
-
-BATCH = 16
+                               write_bytes_atomic, write_json_atomic, write_manifest)
 
 
 @dataclass(frozen=True)
 class GoldenResult:
     directory: Path
-    embeddings: np.ndarray
     summary: dict
 
 
-def reference_outputs(model: torch.nn.Module, x: np.ndarray, batch: int = BATCH) -> np.ndarray:
+def _npy_bytes(a: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(a), allow_pickle=False)
+    return buf.getvalue()
+
+
+def reference_outputs(model: torch.nn.Module, feeds: Sequence[samples.Feed]) -> list[list[np.ndarray]]:
+    """Run the PyTorch model on every feed; inputs are passed in the feed's order (the forward's argument order)."""
+    outs = []
     with torch.inference_mode():
-        return np.concatenate([model(torch.from_numpy(x[i:i + batch])).numpy() for i in range(0, len(x), batch)])
+        for feed in feeds:
+            y = model(*(torch.from_numpy(v) for v in feed.values()))
+            outs.append([t.numpy() for t in (y if isinstance(y, (tuple, list)) else (y,))])
+    return outs
+
+
+def output_names(model: torch.nn.Module) -> list[str]:
+    return list(getattr(model, "output_names", ["output"]))
+
+
+def load_reference(directory: Path) -> tuple[list[str], list[list[np.ndarray]]]:
+    """(output names, outputs per feed) of a golden artifact."""
+    try:
+        index = json.loads((directory / "index.json").read_text())
+    except FileNotFoundError:
+        raise KilnError(f"{directory}: golden reference missing", "run `dvc repro golden`") from None
+    names = index["outputs"]
+    return names, [[np.load(directory / "reference" / f"{i:04d}.{n}.npy", allow_pickle=False) for n in names]
+                   for i in range(index["feeds"])]
 
 
 def pair_distances(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -46,23 +77,38 @@ def pair_distances(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
 
 def run(cfg: Config, model_name: str, root: Path = Path(".")) -> GoldenResult:
     mcfg = cfg.model(model_name)
-    set_dir = paths.data_set("golden", root)
-    gset = load_set(set_dir)
-    emb = reference_outputs(models.build(mcfg, root), to_nchw(gset.chips))
-    plain = np.array([s["augmentation"] is None for s in gset.index["samples"]])
-    summary = {"count": int(len(emb)), "dim": int(emb.shape[1]), "golden_set_xxh3_128": gset.content_hash,
-               "plain_chips": pair_distances(emb[plain], gset.labels[plain]),
-               "all_chips": pair_distances(emb, gset.labels)}
+    model = models.build(mcfg, root)
+    feeds = samples.feeds(cfg, model_name, "golden", root)
+    outs = reference_outputs(model, feeds)
+    names = output_names(model)
+    summary = {"feeds": len(feeds), "samples": samples.sample_count(feeds), "feeds_xxh3_128": samples.digest(feeds),
+               "outputs": {n: list(outs[0][k].shape[1:]) for k, n in enumerate(names)}}
     out = paths.golden(model_name, root)
     with atomic_dir(out) as d:
-        buf = io.BytesIO()
-        np.save(buf, emb.astype(np.float32), allow_pickle=False)
-        write_bytes_atomic(d / "embeddings.npy", buf.getvalue())
-        inputs = [input_ref("golden_set", manifest_path(set_dir, "golden"), root),
-                  {"role": "weights", "path": mcfg.weights.as_posix(), **file_digests(root / mcfg.weights)}]
+        files = []
+        for i, per_feed in enumerate(outs):
+            for n, a in zip(names, per_feed):
+                files.append(d / "reference" / f"{i:04d}.{n}.npy")
+                write_bytes_atomic(files[-1], _npy_bytes(a))
+        write_json_atomic(d / "index.json", {"inputs": list(feeds[0]), "outputs": names, "feeds": len(feeds),
+                                             "feeds_xxh3_128": summary["feeds_xxh3_128"]})
+        files.append(d / "index.json")
+        inputs = []
+        if mcfg.weights is not None:
+            inputs.append({"role": "weights", "path": mcfg.weights.as_posix(), **file_digests(root / mcfg.weights)})
+        if mcfg.samples == "chips":
+            set_dir = paths.data_set("golden", root)
+            gset = load_set(set_dir)
+            emb = np.concatenate([o[0] for o in outs])
+            write_bytes_atomic(d / "embeddings.npy", _npy_bytes(emb.astype(np.float32)))
+            files.append(d / "embeddings.npy")
+            plain = np.array([s["augmentation"] is None for s in gset.index["samples"]])
+            summary.update(plain_chips=pair_distances(emb[plain], gset.labels[plain]),
+                           all_chips=pair_distances(emb, gset.labels), golden_set_xxh3_128=gset.content_hash)
+            inputs.append(input_ref("golden_set", manifest_path(set_dir, "golden"), root))
         write_manifest(d, build_manifest(
-            kind="golden", name=model_name, model=model_name, precision="fp32", directory=d,
-            files=[d / "embeddings.npy"], inputs=inputs, toolchain=toolchain.describe("torch", "numpy"),
-            build={"factory": mcfg.factory, "reference": "pytorch-eager-fp32"},
+            kind="golden", name=model_name, model=model_name, precision="fp32", directory=d, files=files,
+            inputs=inputs, toolchain=toolchain.describe("torch", "numpy"),
+            build={"factory": mcfg.factory, "reference": "pytorch-eager-fp32", "samples": mcfg.samples},
             source=source_info(root, cfg.section("models", model_name)), results=summary))
-    return GoldenResult(out, emb, summary)
+    return GoldenResult(out, summary)

@@ -31,7 +31,6 @@ from onnx import numpy_helper
 
 from pipeline import paths, toolchain
 from pipeline.config import Config, Recipe
-from pipeline.data import load_set, to_nchw
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_manifest
 from pipeline.stages.calibrate import PREPROCESS, calibration_tensors, preprocess, quantizable_op_types
@@ -191,13 +190,14 @@ def contract(recipe: Recipe, inv: dict) -> list[str]:
     return problems
 
 
-def golden_check(onnx_path: Path, root: Path, model_name: str) -> dict[str, float]:
-    """Informational: ORT CPU on the golden set vs the FP32 PyTorch reference (cosine / max |Δ|)."""
+def golden_check(cfg: Config, onnx_path: Path, root: Path, model_name: str) -> dict[str, float]:
+    """Informational: ORT CPU on the golden inputs vs the FP32 PyTorch reference (cosine / max |Δ|)."""
+    from pipeline import samples
     from pipeline.stages.export import parity
+    from pipeline.stages.golden import load_reference
 
-    gset = load_set(paths.data_set("golden", root))
-    reference = np.load(paths.golden(model_name, root) / "embeddings.npy", allow_pickle=False)
-    par = parity(onnx_path, to_nchw(gset.chips), reference)
+    _, reference = load_reference(paths.golden(model_name, root))
+    par = parity(onnx_path, samples.feeds(cfg, model_name, "golden", root), reference)
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in par.items()}
 
 
@@ -229,7 +229,7 @@ def run(cfg: Config, model_name: str, recipe_name: str, root: Path = Path(".")) 
         if problems:
             raise GateFailed(f"{label}: the quantized graph breaks recipe {recipe_name!r}: {'; '.join(problems)}",
                              "ONNX Runtime's quantizer changed behaviour; inspect the graph and the recipe")
-        golden = golden_check(onnx_path, root, model_name)
+        golden = golden_check(cfg, onnx_path, root, model_name)
         from onnxruntime import __version__ as ort_version
 
         opts = recipe_options(recipe)

@@ -65,22 +65,111 @@ def gate(m: dict[str, float], v: ValidateConfig) -> list[str]:
             if not (m[k] >= lim if op == ">=" else m[k] <= lim)]
 
 
+def _iou(a, b) -> float:
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def lfw_crops(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """skimage's lfw_subset (100 faces, then 100 non-faces, 25×25 grey) as normalised RGB net inputs."""
+    from PIL import Image
+    from skimage import data as skdata
+
+    from pipeline.models.mtcnn import preprocess
+
+    imgs = skdata.lfw_subset()
+    rgb = np.stack([np.asarray(Image.fromarray((im * 255).astype(np.uint8)).convert("RGB")
+                               .resize((size, size), Image.BILINEAR)) for im in imgs])
+    return preprocess(rgb), np.r_[np.ones(100, bool), np.zeros(len(imgs) - 100, bool)]
+
+
+def detector_metrics(cfg: Config, net: str, runner, root: Path) -> dict[str, float]:
+    """Swap this net's engine into the reference (PyTorch) cascade: do the same faces come out?"""
+    from pipeline.data import list_photos, load_rgb
+    from pipeline.models import mtcnn
+
+    nets = mtcnn.load_nets(*paths.mtcnn_weights(root / cfg.assets_dir))
+    reference = [mtcnn.torch_runner(n) for n in nets]
+    engine = list(reference)
+    k = ("pnet", "rnet", "onet").index(net)
+    engine[k] = lambda x: tuple(runner.run_all({"input": x}))
+    det_cfg = mtcnn.DetectorConfig(min_face_size=cfg.data.min_face_size)
+    ious, errs, count_diff, faces = [], [], 0, 0
+    for photo in list_photos(root / cfg.data.photos):
+        rgb = load_rgb(photo.path)
+        ref, got = mtcnn.detect(rgb, *reference, det_cfg), mtcnn.detect(rgb, *engine, det_cfg)
+        count_diff += len(ref) != len(got)
+        for f in ref:
+            faces += 1
+            best = max(got, key=lambda g: _iou(f.box, g.box), default=None)
+            ious.append(_iou(f.box, best.box) if best else 0.0)
+            if best is not None:
+                eye = np.linalg.norm(f.landmarks[0] - f.landmarks[1])
+                errs.append(float(np.linalg.norm(best.landmarks - f.landmarks, axis=1).max() / eye))
+    m = {"reference_faces": faces, "photos_with_other_face_count": count_diff,
+         "box_iou_min": float(min(ious, default=0.0)), "landmark_err_max": float(max(errs, default=1.0)),
+         "face_agreement": 1.0}
+    if net in ("rnet", "onet"):
+        x, _ = lfw_crops(24 if net == "rnet" else 48)
+        p_ref = reference[k](x)[-1][:, 1] > det_cfg.thresholds[k]
+        p_got = engine[k](x)[-1][:, 1] > det_cfg.thresholds[k]
+        m["face_agreement"] = float((p_ref == p_got).mean())
+        m["lfw_faces_found"] = int(p_got[:100].sum())
+        m["lfw_nonfaces_accepted"] = int(p_got[100:].sum())
+    return m
+
+
+def aligner_metrics(cfg: Config, model: str, runner, root: Path) -> dict[str, float]:
+    from pipeline import samples
+    from pipeline.stages.golden import load_reference
+
+    _, reference = load_reference(paths.golden(model, root))
+    diffs = [np.abs(runner.run_all(feed)[0] - ref[0]) for feed, ref in
+             zip(samples.feeds(cfg, model, "golden", root), reference)]
+    return {"pixel_mae": float(np.mean([d.mean() for d in diffs])), "pixel_max_abs": float(max(d.max() for d in diffs)),
+            "chips": int(sum(len(d) for d in diffs))}
+
+
+def gate_other(kind: str, m: dict[str, float], v: ValidateConfig) -> list[str]:
+    if kind == "aligner":
+        checks = [("pixel_mae", "<=", v.aligner.pixel_mae_max), ("pixel_max_abs", "<=", v.aligner.pixel_max_abs_max)]
+    else:
+        checks = [("box_iou_min", ">=", v.detector.box_iou_min), ("landmark_err_max", "<=", v.detector.landmark_err_max),
+                  ("face_agreement", ">=", v.detector.face_agreement_min),
+                  ("photos_with_other_face_count", "<=", 0)]
+    return [f"{k} {m[k]:.6g} (limit {op} {lim:g})" for k, op, lim in checks
+            if not (m[k] >= lim if op == ">=" else m[k] <= lim)]
+
+
 def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> Verdict:
     spec = cfg.engine(engine_name)
+    mcfg = cfg.model(spec.model)
     engine_dir = paths.engine(engine_name, root)
     engine_manifest = read_manifest(manifest_path(engine_dir, engine_name))
-    gset = load_set(paths.data_set("golden", root))
-    ref = np.load(paths.golden(spec.model, root) / "embeddings.npy", allow_pickle=False)
     runner = targets.get(spec.target).load(engine_dir)
-    x = to_nchw(gset.chips)
-    got = np.concatenate([runner.run(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
-    gallery = np.array([s["augmentation"] is None for s in gset.index["samples"]])
-    metrics = face_metrics(got, ref, gset.labels, np.flatnonzero(gallery), cfg.model(spec.model).verify_threshold)
-    failures = gate(metrics, cfg.validate)
+    extra = {}
+    if mcfg.samples == "chips":
+        gset = load_set(paths.data_set("golden", root))
+        ref = np.load(paths.golden(spec.model, root) / "embeddings.npy", allow_pickle=False)
+        x = to_nchw(gset.chips)
+        got = np.concatenate([runner.run(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+        gallery = np.array([s["augmentation"] is None for s in gset.index["samples"]])
+        metrics = face_metrics(got, ref, gset.labels, np.flatnonzero(gallery), mcfg.verify_threshold)
+        failures = gate(metrics, cfg.validate)
+        limits = {k: v for k, v in cfg.section("validate").items() if k not in ("detector", "aligner")}
+        extra["golden_set_xxh3_128"] = gset.content_hash
+    elif mcfg.samples == "aligner":
+        metrics = aligner_metrics(cfg, spec.model, runner, root)
+        failures, limits = gate_other("aligner", metrics, cfg.validate), cfg.section("validate", "aligner")
+    else:
+        metrics = detector_metrics(cfg, mcfg.samples, runner, root)
+        failures, limits = gate_other("detector", metrics, cfg.validate), cfg.section("validate", "detector")
     report = {"engine": engine_name, "verdict": "fail" if failures else "pass", "failures": failures,
               "metrics": {k: round(v, 7) if isinstance(v, float) else v for k, v in metrics.items()},
-              "limits": cfg.section("validate"), "engine_manifest_xxh3_128": identity_digest(engine_manifest),
-              "golden_set_xxh3_128": gset.content_hash}
+              "limits": limits, "engine_manifest_xxh3_128": identity_digest(engine_manifest), **extra}
     out = paths.validation(engine_name, root)
     with atomic_dir(out) as d:
         write_json_atomic(d / "validation.json", report)

@@ -3,7 +3,7 @@
     probe()   → Toolchain        versions + device, or unavailable with a one-line reason
     compile() → list[Path]       engine files written into a directory
     audit()   → OpSupport        which compute nodes run natively in the requested precision, which fell back
-    load()    → Runner           Runner.run(batch: np.ndarray) -> np.ndarray
+    load()    → Runner           Runner.run(batch) -> first output; Runner.run_all(feed) -> every output
 
 Optional toolchains are imported lazily inside a target, so a missing one never breaks `import pipeline`.
 """
@@ -56,7 +56,9 @@ class CompileOptions:
 
 
 class Runner(Protocol):
-    def run(self, batch: np.ndarray) -> np.ndarray: ...
+    def run(self, batch: np.ndarray) -> np.ndarray: ...             # single-input graphs: first output
+
+    def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]: ...  # named inputs → every output
 
 
 class Target(Protocol):
@@ -69,3 +71,13 @@ class Target(Protocol):
     def audit(self, engine_dir: Path, precision: str) -> OpSupport: ...
 
     def load(self, engine_dir: Path) -> Runner: ...
+
+
+def synthetic_feed(kind: str, input_shape: tuple[int, ...], batch: int, seed: int = 0) -> Feed:
+    """A synthetic feed of `batch` samples with realistic value ranges, for latency (not accuracy) measurement."""
+    rng = np.random.default_rng(seed)
+    if kind == "aligner":  # one image of input_shape, `batch` faces to cut out of it
+        theta = np.tile(np.array([[[1.0, 0.0, 20.0], [0.0, 1.0, 20.0]]], np.float32), (batch, 1, 1))
+        return {"image": rng.uniform(0, 255, (1, *input_shape)).astype(np.float32), "theta": theta}
+    low, high = (0.0, 255.0) if kind == "chips" else (-1.0, 1.0)  # MTCNN nets take normalised pixels
+    return {"input": rng.uniform(low, high, (batch, *input_shape)).astype(np.float32)}

@@ -30,6 +30,7 @@ HEAVY = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "Con
 
 class OrtCpu:
     name = "ort-cpu"
+    source_kind = "onnx"  # compiles artifacts/export/<model> or artifacts/quantized/<model>-<recipe>
     cheap_rebuild = True  # compiling takes < 1 s, so the compile stage checks byte-reproducibility every time
 
     def probe(self) -> Toolchain:
@@ -116,3 +117,6 @@ class OrtRunner:
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self.session.run(None, {self.input_name: np.ascontiguousarray(batch, np.float32)})[0]
+
+    def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(None, feed)

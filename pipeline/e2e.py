@@ -1,0 +1,133 @@
+"""End to end: photo → faces → chips → embeddings → identities, on the built engines of one target.
+
+The four graphs (detector nets, aligner, embedder) run as compiled engines through the target protocol; only the
+glue between them (pyramid, NMS, box maths, the landmark→template fit, the nearest-neighbour search) is numpy.
+`System.eager()` builds the same system from the PyTorch reference modules, for comparison.
+
+Matching is a brute-force L2 search over a gallery enrolled from the golden set's un-augmented chips with the
+system's own embedder, until a matching index artifact is plugged in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from pipeline import paths, targets
+from pipeline.config import Config
+from pipeline.data import load_set, to_nchw
+from pipeline.errors import KilnError
+from pipeline.models import mtcnn
+from pipeline.models.align import chip_transform
+
+NETS = ("pnet", "rnet", "onet")
+STAGES = (*NETS, "detect_glue", "align", "embed", "match")
+
+
+@dataclass(frozen=True)
+class Match:
+    box: tuple[float, float, float, float]
+    score: float
+    identity: str          # "unknown" when the nearest gallery face is farther than the threshold
+    nearest: str
+    distance: float
+
+
+@dataclass
+class System:
+    name: str
+    nets: tuple[Callable, Callable, Callable]          # numpy (N,3,H,W) → tuple of outputs
+    align: Callable[[np.ndarray, np.ndarray], np.ndarray]  # image (1,3,H,W), theta (N,2,3) → chips (N,3,S,S)
+    embed: Callable[[np.ndarray], np.ndarray]          # chips (N,3,S,S) 0..255 → (N,D)
+    cfg: Config
+    engines: dict[str, str] = field(default_factory=dict)
+    gallery: tuple[np.ndarray, list[str]] | None = None
+    timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_engines(cls, cfg: Config, target: str, precision: str, root: Path = Path(".")) -> "System":
+        """Per graph, the built engine of `target` in `precision`, else its FP32 engine (which one is recorded)."""
+        chosen = {}
+        for model in ("pnet", "rnet", "onet", "aligner", "embedder"):
+            options = [e for e in cfg.engines_of(model) if e.target == target]
+            pick = next((e for e in options if e.precision == precision), None) or \
+                next((e for e in options if e.precision == "fp32"), None)
+            if pick is None or not (paths.engine(pick.name, root)).is_dir():
+                raise KilnError(f"no built {target} engine for {model!r}",
+                                f"build it first: dvc repro compile@{model}-{target}-fp32 (see `engines:` in params.yaml)")
+            chosen[model] = pick.name
+        runners = {m: targets.get(target).load(paths.engine(n, root)) for m, n in chosen.items()}
+        nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m]) for m in NETS)
+        return cls(f"{target}-{precision}", nets,
+                   lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0],
+                   runners["embedder"].run, cfg, chosen)
+
+    @classmethod
+    def eager(cls, cfg: Config, root: Path = Path(".")) -> "System":
+        import torch
+
+        from pipeline import models
+
+        mods = {m: models.build(cfg.model(m), root) for m in ("pnet", "rnet", "onet", "aligner", "embedder")}
+
+        def call(mod):
+            def run(*xs):
+                with torch.inference_mode():
+                    return mod(*(torch.from_numpy(x) for x in xs))
+            return run
+
+        nets = tuple((lambda f: (lambda x: tuple(t.numpy() for t in f(x))))(call(mods[m])) for m in NETS)
+        align, embed = call(mods["aligner"]), call(mods["embedder"])
+        return cls("pytorch-eager", nets, lambda i, t: align(i, t).numpy(), lambda c: embed(c).numpy(), cfg,
+                   {m: "pytorch" for m in mods})
+
+    # ------------------------------------------------------------------ running
+    def _timed(self, stage: str, fn: Callable, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.timings[stage] += (time.perf_counter() - t0) * 1e3
+        return out
+
+    def enroll(self, root: Path = Path(".")) -> None:
+        """Gallery = the golden set's un-augmented chips, embedded by this system's embedder."""
+        gset = load_set(paths.data_set("golden", root))
+        plain = [i for i, s in enumerate(gset.index["samples"]) if s["augmentation"] is None]
+        emb = self.embed(to_nchw(gset.chips[plain]))
+        self.gallery = (emb, [gset.identities[gset.labels[i]] for i in plain])
+
+    def identify(self, rgb: np.ndarray, exclude: int | None = None) -> list[Match]:
+        """Faces in `rgb`, best first; `exclude` drops one gallery entry (leave-one-out checks)."""
+        if self.gallery is None:
+            raise RuntimeError("enroll() the gallery first")
+        data = self.cfg.data
+        det_cfg = mtcnn.DetectorConfig(min_face_size=data.min_face_size)
+        nets = [(lambda s, f: (lambda x: self._timed(s, f, x)))(s, f) for s, f in zip(NETS, self.nets)]
+        in_nets = sum(self.timings[s] for s in NETS)
+        t0 = time.perf_counter()
+        faces = mtcnn.detect(rgb, *nets, det_cfg)
+        # pyramid, crops, NMS and box maths: the detector's wall time minus what its nets took
+        self.timings["detect_glue"] += (time.perf_counter() - t0) * 1e3 - (sum(self.timings[s] for s in NETS) - in_nets)
+        if not faces:
+            return []
+        template = np.asarray(data.template)
+        theta = np.stack([chip_transform(f.landmarks, template) for f in faces])
+        image = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32)
+        chips = self._timed("align", self.align, image, theta)
+        emb = self._timed("embed", self.embed, np.ascontiguousarray(chips, np.float32))
+        gal, names = self.gallery
+        keep = np.arange(len(names)) != (-1 if exclude is None else exclude)
+
+        def match(e):
+            d = np.linalg.norm(gal[keep] - e, axis=1)
+            j = int(np.argmin(d))
+            return [n for n, k in zip(names, keep) if k][j], float(d[j])
+
+        found = self._timed("match", lambda: [match(e) for e in emb])
+        thr = self.cfg.model("embedder").verify_threshold
+        return [Match(f.box, f.score, n if d < thr else "unknown", n, d) for f, (n, d) in zip(faces, found)]
