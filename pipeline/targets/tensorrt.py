@@ -1,0 +1,599 @@
+"""`tensorrt`: a TensorRT engine (plan) built from the ONNX parser into a strongly typed network. GPU only.
+
+One build path for TensorRT 10.12+ and 11.x (facts/tensorrt.md §0–1): `STRONGLY_TYPED` when the flag exists (required
+on 10.x, a no-op on 11.x), never `EXPLICIT_BATCH` and never a precision flag (`FP16`/`INT8` are gone in 11). The
+precision is what the ONNX carries:
+
+* fp32 — the FP32 export as is;
+* fp16 — the FP32 export converted here by `onnxruntime.transformers.float16` with **FP32 inputs and outputs kept**
+  (`keep_io_types=True`, what ModelOpt AutoCast's `keep_io_types=True` does): the runner, validate and bench feed
+  and read float32 like every other engine, and TensorRT fuses the boundary casts into the first/last layer;
+* int8 — the `symmetric` QDQ recipe (zero points 0, S8 activations, float biases), which TensorRT requires.
+
+Dynamic batch: one optimization profile (min/opt/max from params.yaml `targets.tensorrt.profile`) on the input's
+batch dimension, which `prepare_onnx` makes symbolic if the export fixed it.
+
+Timing cache: one file per (TensorRT version, compute capability, GPU) under `timing_cache.dir` (default
+`artifacts/cache/tensorrt/`), loaded before and saved after every build. It is a *build accelerator, not an
+identity input*, so it is deliberately not a DVC out or dep: compile@<engine> is a foreach stage and every engine
+would have to own the same file (DVC forbids overlapping outs), and as a dep it would change after each build and
+make the stage always stale. It is git-ignored (under artifacts/), never mixed across TRT versions or GPUs (the key
+is in its name), and each engine manifest records its sha256 before and after the build. `mode: strict` builds with
+`ERROR_ON_TIMING_CACHE_MISS` for "same tactics as last time" (facts §1.4); `off` disables it.
+
+Engines are not byte-reproducible (tactic timing, `nvrtc_prog_<address>` names; facts §1.4). Equivalence is the
+inspector's layer list (name, type, precisions) plus the validate stage's golden gate; the manifest says so.
+
+An engine is bound to the exact TensorRT version, compute capability, GPU, driver, CUDA and platform (facts §6):
+all of them are `probe().rebuild_on` (so DVC rebuilds on any change) and `check_loadable` refuses to deserialize an
+engine whose manifest differs from this host — rebuild, never load.
+
+Everything that imports `tensorrt`, `torch.cuda` or `cuda.bindings` is inside a function; the pure logic (options →
+build plan, fingerprint, load decision, ONNX preparation, inspector parsing) is tested without TensorRT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import KilnError
+from pipeline.targets.base import CompileOptions, OpSupport, Toolchain
+
+ENGINE_FILE = "engine.plan"
+BUILD_FILE = "build.json"
+INSPECTOR_FILE = "inspector.json"
+EQUIVALENCE = ("engines are not byte-reproducible (TensorRT tactic timing and generated kernel names); two builds "
+               "are equivalent when their inspector layer lists (name, type, input/output precisions; "
+               "results.inspector.layer_signature) are equal and both pass the validate stage's golden gate")
+FINGERPRINT_KEYS = ("tensorrt", "tensorrt_package", "compute_capability", "gpu_name", "driver", "cuda", "platform")
+HW_LEVELS = {"none": "NONE", "ampere_plus": "AMPERE_PLUS", "same_compute_capability": "SAME_COMPUTE_CAPABILITY"}
+CACHE_MODES = ("reuse", "strict", "off")
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+# ---------------------------------------------------------------------------------------------- options → build plan
+@dataclass(frozen=True)
+class TrtOptions:
+    min_batch: int = 1
+    opt_batch: int = 8
+    max_batch: int = 32
+    builder_optimization_level: int = 3
+    workspace_mib: int = 2048
+    timing_cache_dir: str = "artifacts/cache/tensorrt"
+    timing_cache_mode: str = "reuse"
+    hardware_compatibility: str = "none"
+    version_compatible: bool = False
+    audit_precisions: tuple[str, ...] = ("fp32", "fp16", "int8")
+    int8_recipe: str = "symmetric"
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> "TrtOptions":
+        """params.yaml `targets.tensorrt` (less enabled/fallback_policy) → validated options; errors name the key."""
+        def fail(key: str, problem: str, hint: str) -> KilnError:
+            return KilnError(f"targets.tensorrt.{key}: {problem}", hint)
+
+        def integer(d: dict, key: str, default: int, lo: int, hi: int | None = None, where: str = "") -> int:
+            v = d.get(key, default)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+                raise fail(where + key, f"must be an integer in [{lo}, {hi if hi is not None else '∞'}], got {v!r}",
+                           "fix the value in params.yaml")
+            return v
+
+        known = {"profile", "builder_optimization_level", "workspace_mib", "timing_cache", "hardware_compatibility",
+                 "version_compatible", "static_audit"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise fail(unknown[0], "unknown option", f"known options: {', '.join(sorted(known))}")
+        prof = options.get("profile", {}) or {}
+        if not isinstance(prof, dict):
+            raise fail("profile", "must be a mapping {min_batch, opt_batch, max_batch}", "e.g. {min_batch: 1, ...}")
+        lo = integer(prof, "min_batch", cls.min_batch, 1, where="profile.")
+        opt = integer(prof, "opt_batch", cls.opt_batch, 1, where="profile.")
+        hi = integer(prof, "max_batch", cls.max_batch, 1, where="profile.")
+        if not lo <= opt <= hi:
+            raise fail("profile", f"needs min_batch ≤ opt_batch ≤ max_batch, got {lo}/{opt}/{hi}",
+                       "TensorRT rejects a profile whose opt lies outside [min, max]")
+        cache = options.get("timing_cache", {}) or {}
+        if not isinstance(cache, dict):
+            raise fail("timing_cache", "must be a mapping {dir, mode}", "e.g. {dir: artifacts/cache/tensorrt}")
+        mode = cache.get("mode", cls.timing_cache_mode)
+        if mode not in CACHE_MODES:
+            raise fail("timing_cache.mode", f"unknown mode {mode!r}", f"use one of {', '.join(CACHE_MODES)}")
+        hw = options.get("hardware_compatibility", cls.hardware_compatibility)
+        if hw not in HW_LEVELS:
+            raise fail("hardware_compatibility", f"unknown level {hw!r}", f"use one of {', '.join(HW_LEVELS)}")
+        vc = options.get("version_compatible", False)
+        if not isinstance(vc, bool):
+            raise fail("version_compatible", f"must be true or false, got {vc!r}", "fix the value in params.yaml")
+        sa = options.get("static_audit", {}) or {}
+        precs = tuple(sa.get("precisions", cls.audit_precisions))
+        if not set(precs) <= set(PRECISIONS):
+            raise fail("static_audit.precisions", f"unknown precision in {list(precs)}", "use fp32, fp16, int8")
+        return cls(lo, opt, hi, integer(options, "builder_optimization_level", 3, 0, 5),
+                   integer(options, "workspace_mib", cls.workspace_mib, 1), str(cache.get("dir", cls.timing_cache_dir)),
+                   mode, hw, vc, precs, str(sa.get("int8_recipe", cls.int8_recipe)))
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything the builder is told, as names — applied to the real API by `_apply_plan`, recorded in build.json."""
+    network_flags: tuple[str, ...]
+    builder_flags: tuple[str, ...]
+    builder_optimization_level: int
+    workspace_bytes: int
+    profiling_verbosity: str
+    hardware_compatibility_level: str
+    profiles: dict[str, dict[str, list[int]]]   # input name → {min, opt, max} full shapes
+    timing_cache_mode: str
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def build_plan(opts: TrtOptions, input_name: str, input_shape: tuple[int, ...]) -> BuildPlan:
+    """Options + the model's per-sample input shape (C, H, W) → builder settings. No precision flag, ever."""
+    flags = []
+    if opts.version_compatible:
+        flags.append("VERSION_COMPATIBLE")
+    if opts.timing_cache_mode == "strict":
+        flags.append("ERROR_ON_TIMING_CACHE_MISS")
+    elif opts.timing_cache_mode == "off":
+        flags.append("DISABLE_TIMING_CACHE")
+    shape = tuple(int(d) for d in input_shape)
+    profiles = {input_name: {"min": [opts.min_batch, *shape], "opt": [opts.opt_batch, *shape],
+                             "max": [opts.max_batch, *shape]}}
+    return BuildPlan(("STRONGLY_TYPED",), tuple(flags), opts.builder_optimization_level, opts.workspace_mib << 20,
+                     "DETAILED", HW_LEVELS[opts.hardware_compatibility], profiles, opts.timing_cache_mode)
+
+
+def _apply_plan(trt, builder, network, config, plan: BuildPlan) -> None:  # pragma: no cover - needs TensorRT + GPU
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, plan.workspace_bytes)
+    config.builder_optimization_level = plan.builder_optimization_level
+    config.profiling_verbosity = getattr(trt.ProfilingVerbosity, plan.profiling_verbosity)
+    config.hardware_compatibility_level = getattr(trt.HardwareCompatibilityLevel, plan.hardware_compatibility_level)
+    for f in plan.builder_flags:
+        config.set_flag(getattr(trt.BuilderFlag, f))
+    prof = builder.create_optimization_profile()
+    for name, s in plan.profiles.items():
+        prof.set_shape(name, tuple(s["min"]), tuple(s["opt"]), tuple(s["max"]))
+    config.add_optimization_profile(prof)
+
+
+def network_flags(trt) -> int:  # pragma: no cover - needs TensorRT
+    """STRONGLY_TYPED where the enum has it (10.x required, 11.x ignored); never EXPLICIT_BATCH (gone in 11)."""
+    flags = 0
+    if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    return flags
+
+
+# ---------------------------------------------------------------------------------------------- fingerprint
+def make_fingerprint(trt_version: str, trt_package: str, compute_capability: str, gpu_name: str, driver: str,
+                     cuda: str, plat: str | None = None) -> dict[str, str]:
+    """The portability fingerprint (facts §6): an engine is only loadable where every field is equal."""
+    return {"tensorrt": trt_version, "tensorrt_package": trt_package, "compute_capability": compute_capability,
+            "gpu_name": gpu_name, "driver": driver, "cuda": cuda, "platform": plat or host_platform()}
+
+
+def host_platform() -> str:
+    libc = "-".join(platform.libc_ver()) if sys.platform.startswith("linux") else ""
+    return f"{sys.platform}-{platform.machine()}" + (f"-{libc}" if libc.strip("-") else "")
+
+
+@dataclass(frozen=True)
+class LoadDecision:
+    loadable: bool
+    reasons: list[str] = field(default_factory=list)   # why it must be rebuilt (empty when loadable)
+
+    def __bool__(self) -> bool:
+        return self.loadable
+
+
+def _major(v: str) -> str:
+    return str(v).split(".")[0]
+
+
+def _ver(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", str(v))[:4])
+
+
+def check_loadable(engine_manifest: dict[str, Any], current: dict[str, Any]) -> LoadDecision:
+    """Rebuild decision: may this host deserialize the engine, or must it rebuild it from the ONNX?
+
+    `engine_manifest` is the engine's manifest (its `toolchain` holds the build host's fingerprint, `build.options`
+    the compatibility options); `current` is this host's fingerprint (probe().rebuild_on, or the toolchain YAML).
+    Strict by default: any differing field means rebuild (NVIDIA/TensorRT#564 compute capability, InsightFace-REST#84
+    version, #3911 driver). Only the two documented relaxations apply, and only if the engine was built for them:
+    `version_compatible` (runtime TensorRT ≥ build, same major — or 10 → 11) and `hardware_compatibility`
+    (`ampere_plus`: both CC ≥ 8.0; the GPU name may then differ too).
+    """
+    if current.get("available") is False:
+        return LoadDecision(False, [f"tensorrt unavailable here ({current.get('reason', 'unknown')})"])
+    now = current.get("rebuild_on", current)
+    built = engine_manifest.get("toolchain", {})
+    options = (engine_manifest.get("build") or {}).get("options") or {}
+    vc = bool(options.get("version_compatible", False))
+    hw = options.get("hardware_compatibility", "none")
+    reasons = []
+    for key in FINGERPRINT_KEYS:
+        a, b = built.get(key), now.get(key)
+        if a is None:
+            reasons.append(f"{key}: not recorded in the engine manifest")
+            continue
+        if a == b:
+            continue
+        if key == "tensorrt" and vc and b is not None and _ver(b) >= _ver(a) and (
+                _major(a) == _major(b) or (_major(a), _major(b)) == ("10", "11")):
+            continue
+        if key == "tensorrt_package" and vc:
+            continue
+        if key == "compute_capability" and hw == "ampere_plus" and b is not None and \
+                _ver(a) >= (8, 0) and _ver(b) >= (8, 0):
+            continue
+        if key == "gpu_name" and hw in ("ampere_plus", "same_compute_capability"):
+            continue
+        reasons.append(f"{key}: built with {a!r}, this host has {b!r}")
+    return LoadDecision(not reasons, reasons)
+
+
+# ---------------------------------------------------------------------------------------------- ONNX preparation
+def prepare_onnx(src: Path, precision: str, batch_dim: str = "batch"):
+    """The exact ONNX TensorRT parses for `precision`: opset-checked, batch dimension symbolic, FP16 if asked.
+
+    FP16 keeps FP32 graph inputs/outputs (see the module doc). int8 requires a QDQ graph (the `symmetric` recipe);
+    whether TensorRT accepts its Q/DQ form is the static audit's job (trt_rules).
+    """
+    import onnx
+
+    from pipeline.targets import trt_rules
+
+    if precision not in PRECISIONS:
+        raise KilnError(f"tensorrt: unknown precision {precision!r}", f"use one of {', '.join(PRECISIONS)}")
+    model = onnx.load(str(src))
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if not trt_rules.OPSET_MIN <= opset <= trt_rules.OPSET_MAX:
+        raise KilnError(f"{src}: opset {opset} is outside what the TensorRT ONNX parser supports "
+                        f"({trt_rules.OPSET_MIN}..{trt_rules.OPSET_MAX})", "re-export with export.opset in range")
+    inp = model.graph.input[0]
+    dim0 = inp.type.tensor_type.shape.dim[0]
+    if not dim0.dim_param:
+        dim0.ClearField("dim_value")
+        dim0.dim_param = batch_dim          # facts §1.1: a fixed batch makes the profile call fail
+    has_qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
+    if precision == "int8" and not has_qdq:
+        raise KilnError(f"{src}: an int8 TensorRT engine needs a QDQ ONNX (explicit quantization)",
+                        "point the engine at the `symmetric` recipe: artifacts/quantized/<model>-symmetric")
+    if precision != "int8" and has_qdq:
+        raise KilnError(f"{src}: a {precision} engine was given a QDQ (int8) ONNX", "use the FP32 export")
+    if precision == "fp16":
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+
+        model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)
+    return model
+
+
+def onnx_bytes(model) -> bytes:
+    return model.SerializeToString(deterministic=True)
+
+
+def static_audit(onnx_path: Path, precision: str):
+    """trt_rules' audit of the ONNX a `precision` engine would be built from (prepared exactly as compile does)."""
+    from pipeline.targets import trt_rules
+
+    return trt_rules.audit_model(prepare_onnx(Path(onnx_path), precision), precision)
+
+
+# ---------------------------------------------------------------------------------------------- inspector JSON
+_DTYPE_TOKENS = [("fp32", "float32"), ("float", "float32"), ("fp16", "float16"), ("half", "float16"),
+                 ("bf16", "bfloat16"), ("int8", "int8"), ("fp8", "fp8"), ("int4", "int4"), ("fp4", "fp4"),
+                 ("int32", "int32"), ("int64", "int64"), ("uint8", "uint8"), ("bool", "bool")]
+
+
+def norm_dtype(text: str | None) -> str:
+    """'Row major linear FP32', 'Channel major FP16 format where channel % 8 == 0', 'Int8', 'kHALF' → canonical."""
+    if not text:
+        return "unknown"
+    words = re.findall(r"[a-z0-9]+", str(text).lower().replace("datatype.", ""))
+    for w in reversed(words):       # the datatype comes last in 10.x "Format/Datatype" strings
+        w = w[1:] if w.startswith("k") and w[1:] in dict(_DTYPE_TOKENS) else w
+        for token, name in _DTYPE_TOKENS:
+            if w == token:
+                return name
+    return "unknown"
+
+
+def _tensor(t: Any) -> dict[str, Any]:
+    if isinstance(t, str):
+        return {"name": t, "dtype": "unknown", "format": ""}
+    if "DataType" in t:                                   # 11.x: Format and DataType are separate fields
+        return {"name": t.get("Name", ""), "dtype": norm_dtype(t["DataType"]), "format": t.get("Format", "")}
+    fd = t.get("Format/Datatype", "")                     # 10.x: one combined string
+    return {"name": t.get("Name", ""), "dtype": norm_dtype(fd), "format": fd}
+
+
+def parse_inspector(engine_info: dict | str, layers: list | None = None) -> dict[str, Any]:
+    """Engine-inspector JSON (TensorRT 10.x or 11.x schema, facts §1.7) → the manifest's layer/precision summary.
+
+    `engine_info` is `get_engine_information(JSON)`; `layers` optional per-layer `get_layer_information(i, JSON)`
+    (used when the engine document lists only names). 10.x: `"Bindings": [names]`, layer I/O with a combined
+    `"Format/Datatype"` string. 11.x: `"I/O Tensors": [{Name, IOMode, DataType, Dimensions, ...}]`, layer I/O with
+    separate `Format` and `DataType`. Engines built without `profiling_verbosity = DETAILED` give names only.
+    """
+    info = json.loads(engine_info) if isinstance(engine_info, str) else engine_info
+    raw_layers = info.get("Layers", [])
+    if layers is not None and (not raw_layers or all(isinstance(x, str) for x in raw_layers)):
+        raw_layers = [json.loads(x) if isinstance(x, str) and x.lstrip().startswith("{") else x for x in layers]
+    if "I/O Tensors" in info:
+        schema = "11.x"
+        io = [{"name": t.get("Name", ""), "mode": str(t.get("IOMode", "")).lower(), "dtype": norm_dtype(t.get("DataType")),
+               "shape": t.get("Dimensions")} for t in info["I/O Tensors"]]
+    elif "Bindings" in info:
+        schema = "10.x"
+        io = [{"name": b, "mode": "", "dtype": "unknown", "shape": None} if isinstance(b, str) else
+              {"name": b.get("Name", ""), "mode": "", "dtype": "unknown", "shape": None} for b in info["Bindings"]]
+    else:
+        schema = "unknown"
+        io = []
+    out_layers, detailed = [], False
+    for layer in raw_layers:
+        if isinstance(layer, str):
+            out_layers.append({"name": layer, "type": "unknown", "inputs": [], "outputs": [], "onnx": []})
+            continue
+        detailed = True
+        ins = [_tensor(t) for t in layer.get("Inputs", [])]
+        outs = [_tensor(t) for t in layer.get("Outputs", [])]
+        onnx_names = re.findall(r"\[ONNX Layer: ([^\]]+)\]", str(layer.get("Metadata", "")))
+        out_layers.append({"name": layer.get("Name", ""), "type": layer.get("LayerType", layer.get("ParameterType", "")),
+                           "parameter_type": layer.get("ParameterType", ""), "tactic": layer.get("TacticName", ""),
+                           "inputs": [t["dtype"] for t in ins], "outputs": [t["dtype"] for t in outs],
+                           "onnx": onnx_names})
+    signature = [[x["name"], x["type"], x["inputs"], x["outputs"]] for x in out_layers]
+    by_precision = Counter(x["outputs"][0] if x["outputs"] else "unknown" for x in out_layers)
+    return {"schema": schema, "detailed": detailed, "num_layers": len(out_layers),
+            "layer_types": dict(sorted(Counter(x["type"] for x in out_layers).items())),
+            "layer_output_precisions": dict(sorted(by_precision.items())), "io_tensors": io,
+            "layers": [{k: x[k] for k in ("name", "type", "inputs", "outputs", "onnx")} for x in out_layers],
+            "layer_signature": hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()}
+
+
+_COMPUTE_LAYER = re.compile(r"conv|gemm|matrixmultiply|fullyconnected|deconvolution|matmul", re.I)
+
+
+def inspector_audit(summary: dict[str, Any], precision: str) -> OpSupport:
+    """Per compute layer of a built engine: native in `precision` (its first input's dtype), or what it runs as."""
+    want = {"fp32": "float32", "fp16": "float16", "int8": "int8"}[precision]
+    native, fallback, other = Counter(), [], Counter()
+    for layer in summary["layers"]:
+        kind = layer["type"] or "unknown"
+        if _COMPUTE_LAYER.search(kind) or _COMPUTE_LAYER.search(layer.get("parameter_type", "")):
+            runs = layer["inputs"][0] if layer["inputs"] else "unknown"
+            if runs == want:
+                native[kind] += 1
+            else:
+                fallback.append({"node": layer["name"], "op": kind, "runs_as": runs})
+        else:
+            other[kind] += 1
+    return OpSupport(precision, dict(sorted(native.items())), fallback, dict(sorted(other.items())))
+
+
+# ---------------------------------------------------------------------------------------------- the target
+def _status() -> tuple[Any, str]:
+    """(tensorrt module, "") when TensorRT imports and CUDA initialises, else (None, one-line reason)."""
+    try:
+        import tensorrt as trt
+    except Exception as e:  # noqa: BLE001 — ModuleNotFoundError, or ImportError: libnvinfer.so.N missing
+        return None, str(e).splitlines()[0].lower() if isinstance(e, ModuleNotFoundError) else \
+            f"tensorrt not importable: {str(e).splitlines()[0]}"
+    try:
+        trt.Builder(trt.Logger(trt.Logger.ERROR))
+    except TypeError as e:  # "factory function returned nullptr": no driver / no device (facts §4.3)
+        return None, f"TensorRT cannot initialise CUDA: {e}"
+    return trt, ""
+
+
+def _device_fingerprint(trt) -> dict[str, str]:  # pragma: no cover - needs a GPU
+    """CC, GPU name, driver and CUDA via torch, else cuda-python (no PyCUDA)."""
+    from importlib import metadata
+
+    pkg = "unknown"
+    for dist in ("tensorrt-cu13-libs", "tensorrt-cu12-libs", "tensorrt-libs", "tensorrt"):
+        try:
+            pkg = f"{dist} {metadata.version(dist)}"
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ImportError("no CUDA device visible to torch")
+        major, minor = torch.cuda.get_device_capability(0)
+        name, cuda = torch.cuda.get_device_name(0), str(torch.version.cuda)
+        from cuda.bindings import runtime as cudart  # driver version: torch does not expose it
+        driver = str(cudart.cudaDriverGetVersion()[1])
+    except ImportError:
+        from cuda.bindings import runtime as cudart
+
+        err, props = cudart.cudaGetDeviceProperties(0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise KilnError(f"tensorrt: no usable CUDA device ({err})", "build TensorRT engines on a GPU host")
+        major, minor = props.major, props.minor
+        name = props.name.decode(errors="replace").rstrip("\x00") if isinstance(props.name, bytes) else str(props.name)
+        driver = str(cudart.cudaDriverGetVersion()[1])
+        cuda = str(cudart.cudaRuntimeGetVersion()[1])
+    return make_fingerprint(trt.__version__, pkg, f"{major}.{minor}", name, driver, cuda)
+
+
+def _root_of(out: Path) -> Path:
+    """The project root of an engine directory (root/artifacts/engines/<name>, or its temporary sibling)."""
+    return Path(out).resolve().parents[2]
+
+
+class TensorRT:
+    name = "tensorrt"
+    source_kind = "onnx"   # compiles artifacts/export (fp32, fp16) or artifacts/quantized/<model>-symmetric (int8)
+    cheap_rebuild = False  # a build takes minutes and is not byte-reproducible: no second compile to compare
+
+    def probe(self) -> Toolchain:
+        trt, reason = _status()
+        if trt is None:
+            return Toolchain(self.name, False, reason)
+        try:
+            fp = _device_fingerprint(trt)
+        except (ImportError, KilnError) as e:
+            return Toolchain(self.name, False, f"no CUDA device: {getattr(e, 'message', e)}")
+        from pipeline import toolchain
+
+        return Toolchain(self.name, True, rebuild_on=fp, info=toolchain.versions("onnx", "onnxruntime"))
+
+    # -- audit: the inspector of a built engine, else (no TensorRT here / no engine) the static rules
+    def audit(self, engine_dir: Path, precision: str) -> OpSupport:
+        p = Path(engine_dir)
+        if p.is_dir() and (p / INSPECTOR_FILE).is_file():
+            return inspector_audit(json.loads((p / INSPECTOR_FILE).read_text()), precision)
+        onnx_path = p if p.suffix == ".onnx" else p / "model.onnx"
+        if not onnx_path.is_file():
+            raise KilnError(f"{p}: neither a built TensorRT engine ({INSPECTOR_FILE}) nor an ONNX to audit statically",
+                            "pass the engine directory or the ONNX the engine is built from")
+        return static_audit(onnx_path, precision).support
+
+    def compile(self, onnx: Path, options: CompileOptions, out: Path) -> list[Path]:  # pragma: no cover - GPU
+        opts = TrtOptions.parse(options.options)
+        model = prepare_onnx(Path(onnx), options.precision)
+        from pipeline.targets import trt_rules
+
+        static = trt_rules.audit_model(model, options.precision)
+        if not static.parses:                       # fail before touching the GPU, with the node names
+            raise KilnError(f"tensorrt: {onnx} would not parse: " + "; ".join(
+                f"{p.node} ({p.op}): {p.detail}" for p in static.problems[:5]),
+                "use the `symmetric` quantization recipe for TensorRT INT8")
+        data = onnx_bytes(model)
+        trt, reason = _status()
+        if trt is None:
+            raise KilnError(f"tensorrt: unavailable ({reason})", "build TensorRT engines on a GPU host")
+        fp = _device_fingerprint(trt)
+        logger = trt.Logger(trt.Logger.WARNING)
+        builder = trt.Builder(logger)
+        network = builder.create_network(network_flags(trt))
+        parser = trt.OnnxParser(network, logger)
+        if not parser.parse(data, str(onnx)):
+            errors = [parser.get_error(i) for i in range(parser.num_errors)]
+            raise KilnError("tensorrt: ONNX parse failed: " + "; ".join(
+                f"node {e.node()} {e.node_name()} ({e.node_operator()}): {e.desc()}" for e in errors[:5]),
+                "see pipeline/targets/trt_rules.py for the rules the static audit checks")
+        if network.num_inputs != 1:
+            raise KilnError(f"tensorrt: {onnx} has {network.num_inputs} inputs; this target builds one profile over "
+                            "the batch of a single input", "compile multi-input graphs (the aligner) with ort-cpu")
+        inp = network.get_input(0)
+        plan = build_plan(opts, inp.name, tuple(inp.shape)[1:])
+        config = builder.create_builder_config()
+        _apply_plan(trt, builder, network, config, plan)
+        cache_dir = Path(opts.timing_cache_dir)
+        cache_dir = cache_dir if cache_dir.is_absolute() else _root_of(out) / cache_dir
+        key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"trt{fp['tensorrt']}-sm{fp['compute_capability']}-{fp['gpu_name']}")
+        cache_file = cache_dir / f"{key}.timing"
+        old = cache_file.read_bytes() if opts.timing_cache_mode != "off" and cache_file.is_file() else b""
+        cache = config.create_timing_cache(old)
+        config.set_timing_cache(cache, ignore_mismatch=False)
+        serialized = builder.build_serialized_network(network, config)
+        if serialized is None:
+            raise KilnError("tensorrt: build failed (see the TensorRT log above)",
+                            "with timing_cache.mode: strict a cache miss fails the build; use reuse")
+        engine_path = out / ENGINE_FILE
+        engine_path.write_bytes(bytes(serialized))
+        new = bytes(cache.serialize())
+        if opts.timing_cache_mode != "off":
+            from pipeline.manifest import write_bytes_atomic
+
+            write_bytes_atomic(cache_file, new)
+        engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(serialized))
+        insp = engine.create_engine_inspector()
+        summary = parse_inspector(json.loads(insp.get_engine_information(trt.LayerInformationFormat.JSON)),
+                                  [insp.get_layer_information(i, trt.LayerInformationFormat.JSON)
+                                   for i in range(engine.num_layers)])
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        summary["io_tensors"] = [{"name": n, "mode": str(engine.get_tensor_mode(n)).split(".")[-1].lower(),
+                                  "dtype": norm_dtype(str(engine.get_tensor_dtype(n))),
+                                  "shape": list(engine.get_tensor_shape(n))} for n in names]
+        (out / INSPECTOR_FILE).write_text(json.dumps(summary, sort_keys=True, indent=1) + "\n")
+        build = {"plan": plan.record(), "tensorrt": trt.__version__, "onnx_parsed_sha256": hashlib.sha256(data)
+                 .hexdigest(), "precision_source": {"fp32": "fp32 export", "fp16": "float16 conversion, fp32 I/O",
+                                                    "int8": "QDQ (explicit quantization)"}[options.precision],
+                 "deterministic": False, "equivalence": EQUIVALENCE,
+                 "timing_cache": {"file": cache_file.name, "mode": opts.timing_cache_mode,
+                                  "sha256_before": hashlib.sha256(old).hexdigest() if old else None,
+                                  "sha256_after": hashlib.sha256(new).hexdigest()},
+                 "static_audit": static.summary()["problem_rules"]}
+        (out / BUILD_FILE).write_text(json.dumps(build, sort_keys=True, indent=1) + "\n")
+        return [engine_path, out / BUILD_FILE, out / INSPECTOR_FILE]
+
+    def manifest_extras(self, engine_dir: Path) -> dict[str, Any]:
+        """What compile.py merges into the engine manifest: build record + inspector summary."""
+        build = json.loads((Path(engine_dir) / BUILD_FILE).read_text())
+        insp = json.loads((Path(engine_dir) / INSPECTOR_FILE).read_text())
+        return {"build": {"deterministic": False, "equivalence": EQUIVALENCE,
+                          "builder_optimization_level": build["plan"]["builder_optimization_level"],
+                          "plan": build["plan"], "onnx_parsed_sha256": build["onnx_parsed_sha256"],
+                          "precision_source": build["precision_source"]},
+                "results": {"inspector": {k: insp[k] for k in ("schema", "num_layers", "layer_types",
+                                                                 "layer_output_precisions", "io_tensors",
+                                                                 "layer_signature")},
+                            "timing_cache": build["timing_cache"]}}
+
+    def load(self, engine_dir: Path) -> "TrtRunner":  # pragma: no cover - needs TensorRT + GPU
+        from pipeline.manifest import find_manifests
+
+        manifests = find_manifests(Path(engine_dir))
+        if not manifests:
+            raise KilnError(f"{engine_dir}: no engine manifest", "rebuild: dvc repro compile")
+        decision = check_loadable(json.loads(manifests[0].read_text()), self.probe().__dict__)
+        if not decision:
+            raise KilnError(f"{engine_dir}: engine not loadable on this host: " + "; ".join(decision.reasons),
+                            "rebuild it here from the ONNX (dvc repro), never load a mismatched plan")
+        return TrtRunner(Path(engine_dir) / ENGINE_FILE)
+
+
+class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
+    """execute_async_v3 over a deserialized engine, with torch CUDA tensors (facts §3.1); no PyCUDA."""
+
+    def __init__(self, engine_path: Path) -> None:
+        import tensorrt as trt
+        import torch
+
+        self.trt, self.torch = trt, torch
+        self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(engine_path.read_bytes())
+        if self.engine is None:
+            raise KilnError(f"{engine_path}: deserialize failed (TensorRT version / GPU mismatch?)", "rebuild it")
+        self.ctx = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int8: torch.int8,
+                       trt.int32: torch.int32, trt.int64: torch.int64, trt.bool: torch.bool}
+        self.stream = torch.cuda.Stream()
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        torch, eng, ctx = self.torch, self.engine, self.ctx
+        x = torch.from_numpy(np.ascontiguousarray(batch)).to("cuda", self.dtypes[eng.get_tensor_dtype(self.inputs[0])])
+        ctx.set_input_shape(self.inputs[0], tuple(x.shape))
+        ctx.set_tensor_address(self.inputs[0], x.data_ptr())
+        outs = {}
+        for n in self.outputs:
+            t = torch.empty(tuple(ctx.get_tensor_shape(n)), dtype=self.dtypes[eng.get_tensor_dtype(n)], device="cuda")
+            ctx.set_tensor_address(n, t.data_ptr())
+            outs[n] = t
+        self.stream.wait_stream(torch.cuda.current_stream())
+        if not ctx.execute_async_v3(self.stream.cuda_stream):
+            raise RuntimeError("TensorRT enqueue failed")
+        self.stream.synchronize()
+        return outs[self.outputs[0]].float().cpu().numpy()
