@@ -46,8 +46,11 @@ def cmd_golden(args) -> int:
 
     t0 = time.perf_counter()
     result = golden.run(_cfg(args), args.model)
-    print(f"golden@{args.model}: {result.summary['count']} × {result.summary['dim']} reference outputs "
-          f"in {time.perf_counter() - t0:.1f} s; plain-chip L2 {result.summary['plain_chips']}")
+    s = result.summary
+    print(f"golden@{args.model}: {s['samples']} samples in {s['feeds']} feeds → outputs {s['outputs']} "
+          f"in {time.perf_counter() - t0:.1f} s")
+    if "plain_chips" in s:
+        print(f"  L2 between un-augmented chips: {s['plain_chips']}")
     return 0
 
 
@@ -59,9 +62,22 @@ def cmd_export(args) -> int:
     p = result.parity
     print(f"export@{args.model}: {result.onnx_path} ({result.onnx_path.stat().st_size / 1e6:.1f} MB, "
           f"{sum(result.ops.values())} nodes) in {time.perf_counter() - t0:.1f} s")
-    print(f"  parity vs PyTorch on {p['samples']} golden chips: max |Δ| {p['max_abs']:.2e}, "
+    print(f"  parity vs PyTorch on {p['samples']} golden samples: max |Δ| {p['max_abs']:.2e}, "
           f"cosine min {p['cosine_min']:.7f}")
     print("  ops: " + ", ".join(f"{k}×{v}" for k, v in result.ops.items()))
+    return 0
+
+
+def cmd_program(args) -> int:
+    from pipeline.stages import program
+
+    t0 = time.perf_counter()
+    r = program.run(_cfg(args), args.model)
+    p = r.parity
+    print(f"program@{args.model}: {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {sum(r.ops.values())} ATen "
+          f"nodes) in {time.perf_counter() - t0:.1f} s; byte-identical in a fresh process: {r.deterministic}")
+    print(f"  parity vs PyTorch on {p['samples']} golden samples: max |Δ| {p['max_abs']:.2e}, "
+          f"cosine min {p['cosine_min']:.7f}")
     return 0
 
 
@@ -80,6 +96,34 @@ def cmd_toolchain(args) -> int:
 
     tc, path = fingerprint.run(args.target)
     print(f"{tc.line()} → {path}")
+    return 0
+
+
+def cmd_trt_audit(args) -> int:
+    from pipeline.stages import trt_audit
+
+    r = trt_audit.run(_cfg(args), args.model)
+    for e in r.report["audits"]:
+        if e.get("skipped"):
+            print(f"trt-audit@{args.model} {e['precision']}: skipped ({e['skipped']})")
+            continue
+        a = e["audit"]
+        print(f"trt-audit@{args.model} {e['precision']} ({e['onnx']}, opset {e['opset']}): "
+              f"{'parses' if e['parses'] else 'WOULD NOT PARSE'}; {a['native_nodes']} compute nodes native, "
+              f"{a['fallback_nodes']} fall back" + (f"; {e['problem_rules']}" if e["problem_rules"] else ""))
+    print(f"  → {r.path}")
+    if r.failures:
+        raise GateFailed(f"trt-audit@{args.model}: TensorRT's ONNX parser would reject {len(r.failures)} node(s): "
+                         + "; ".join(r.failures[:5]), "use the `symmetric` recipe (zero points 0, s8, float bias)")
+    return 0
+
+
+def cmd_fallback_table(args) -> int:
+    from pipeline.stages import fallback
+
+    r = fallback.run(_cfg(args))
+    print(fallback.markdown(r.rows).split("\n\n", 2)[-1].rstrip())
+    print(f"→ {r.json_path}, {r.md_path}")
     return 0
 
 
@@ -102,9 +146,11 @@ def cmd_validate(args) -> int:
 
     v = validate.run(_cfg(args), args.engine)
     m = v.metrics
-    print(f"validate@{args.engine}: {'PASS' if v.passed else 'FAIL'}  cosine min {m['cosine_min']:.5f} mean "
-          f"{m['cosine_mean']:.5f}  L2 max {m['l2_max']:.4f}  top-1 agreement {m['top1_agreement']:.3f}  "
-          f"decisions {m['decision_agreement']:.4f}  ΔTAR {m['tar_delta']:.4f}  ΔFAR {m['far_delta']:.4f}")
+    keys = [k for k in ("cosine_min", "cosine_mean", "l2_max", "top1_agreement", "decision_agreement", "tar_delta",
+                        "far_delta", "box_iou_min", "landmark_err_max", "face_agreement", "pixel_mae",
+                        "pixel_max_abs") if k in m]
+    print(f"validate@{args.engine}: {'PASS' if v.passed else 'FAIL'}  " +
+          "  ".join(f"{k} {m[k]:.5g}" for k in keys))
     if not v.passed:
         raise GateFailed(f"validate@{args.engine}: " + "; ".join(v.failures),
                          "the engine is not equivalent to the reference on the face task; see validation.json")
@@ -148,6 +194,72 @@ def cmd_quantize(args) -> int:
           f"golden cosine vs PyTorch FP32 on {g['samples']} chips: min {g['cosine_min']:.5f}, "
           f"mean {g['cosine_mean']:.5f} (informational; validate gates)")
     return 0
+
+
+def cmd_gallery(args) -> int:
+    from pipeline.stages import matching
+
+    t0 = time.perf_counter()
+    r = matching.gallery_run(_cfg(args), args.size)
+    dp = r.distances["distractor_pairs"]
+    print(f"gallery@{r.size}: {r.enrolled} golden embeddings enrolled + {r.size - r.enrolled} distractors in "
+          f"{time.perf_counter() - t0:.1f} s, xxh3-128 {r.content_hash}; distractor pairs L2 median "
+          f"{dp['median']:.3f}, {100 * r.distances['distractor_to_enrolled']['frac_above_threshold']:.1f}% of "
+          f"distractor↔enrolled beyond the threshold")
+    return 0
+
+
+def cmd_match(args) -> int:
+    from pipeline.stages import matching
+
+    t0 = time.perf_counter()
+    r = matching.match_run(_cfg(args), args.size)
+    c = r.chosen
+    print(matching.table(r.curve))
+    print(matching.bandwidth_line(r.bandwidth))
+    print(f"match@{args.size}: chose {c['index']} (recall@1 {c['recall@1']:.4f}, recall@10 {c['recall@10']:.4f}, "
+          f"batch-1 p50 {c['p50_ms_b1']:.3f} ms, {c['bytes'] / 1e6:.1f} MB); identity gate PASS in "
+          f"{time.perf_counter() - t0:.1f} s → {r.directory}")
+    return 0
+
+
+def cmd_register_index(args) -> int:
+    _quiet_mlflow()
+    from pipeline import paths, registry
+    from pipeline.stages.matching import index_name
+
+    t0 = time.perf_counter()
+    r = registry.register_index(_cfg(args), args.size)
+    state = "registered new version" if r.new else "already registered as version"
+    print(f"register-index@{args.size}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…) "
+          f"in {time.perf_counter() - t0:.2f} s → {paths.receipt(index_name(args.size))}")
+    return 0
+
+
+def cmd_identify(args) -> int:
+    from pipeline.data import load_rgb
+    from pipeline.e2e import System
+
+    cfg = _cfg(args)
+    rgbs = [(p, load_rgb(Path(p))) for p in args.images]  # a corrupt file or non-image stops here, clearly
+    system = System.eager(cfg) if args.target == "pytorch" else System.from_engines(cfg, args.target, args.precision)
+    system.enroll()
+    if args.gallery:
+        system.use_index(args.gallery)
+    print("engines: " + ", ".join(f"{m}={e}" for m, e in system.engines.items()))
+    missing = 0
+    for path, rgb in rgbs:
+        matches = system.identify(rgb)
+        if not matches:
+            print(f"{path}: no face found")
+            missing += 1
+            continue
+        print(f"{path}: {len(matches)} face{'s' if len(matches) > 1 else ''}")
+        for i, m in enumerate(matches):
+            box = ", ".join(f"{v:.0f}" for v in m.box)
+            print(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {m.identity} "
+                  f"(nearest {m.nearest}, L2 {m.distance:.3f}, threshold {cfg.model('embedder').verify_threshold})")
+    return 1 if missing else 0
 
 
 def cmd_verify(args) -> int:
@@ -243,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
     p = add("export", cmd_export, "export a model to ONNX, check it and prove parity with the golden outputs")
     p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
+    p = add("program", cmd_program, "save a model's torch.export program (.pt2, dynamic dims), parity-checked "
+            "against golden; the source of program targets (aoti-cpu)")
+    p.add_argument("model", help="model name from params.yaml program.models (e.g. embedder)")
     add("targets", cmd_targets, "list compile targets and whether this host can build them")
     p = add("toolchain", cmd_toolchain, "write a target's toolchain fingerprint (artifacts/toolchain/<target>.yaml)")
     p.add_argument("target")
@@ -257,6 +372,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("quantize", cmd_quantize, "INT8 QDQ ONNX from the export and its calibration ranges, for one recipe")
     p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
     p.add_argument("recipe", help="quantization recipe from params.yaml quantize.recipes (e.g. ort, symmetric)")
+    p = add("gallery", cmd_gallery, "golden embeddings enrolled + realistic distractors at one gallery size")
+    p.add_argument("size", type=int, help="gallery size from params.yaml matching.gallery_sizes")
+    p = add("match", cmd_match, "build the FAISS index sweep on a gallery, measure recall/latency/bandwidth, choose "
+            "the cheapest index meeting the recall targets and gate it on the face task (exit 1 = fail)")
+    p.add_argument("size", type=int, help="gallery size from params.yaml matching.gallery_sizes")
+    p = add("register-index", cmd_register_index, "log + register a gallery's chosen index in MLflow as "
+            "kiln-gallery-<size> (idempotent by sha256)")
+    p.add_argument("size", type=int, help="gallery size from params.yaml matching.gallery_sizes")
+    p = add("identify", cmd_identify, "detect, align, embed and match faces in photos using only built engines "
+            "(exit 1 if a photo has no face)")
+    p.add_argument("images", nargs="+", help="image files (JPEG, PNG, ...)")
+    p.add_argument("--target", default="ort-cpu", help="engine target, or `pytorch` for the eager reference")
+    p.add_argument("--precision", default="int8", choices=["fp32", "fp16", "int8"],
+                   help="preferred precision per graph; graphs without such an engine use their FP32 engine")
+    p.add_argument("--gallery", type=int, metavar="SIZE",
+                   help="match through the chosen FAISS index of this gallery size (default: brute force over the "
+                        "golden enrolment chips)")
     p = add("verify", cmd_verify, "recompute checksums of artifacts against their manifests (exit 1 on mismatch)")
     p.add_argument("path", help="a manifest file or a directory searched for *.manifest.json")
     p.add_argument("--root", default=".", help="repository root, to check input manifests (default: .)")
@@ -274,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("history", cmd_history, "show the recorded alias moves (register, promote, rollback) of a model")
     p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
     p.add_argument("--alias", help="only this alias (e.g. production)")
+    p = add("trt-audit", cmd_trt_audit, "check, without a GPU, that TensorRT's ONNX parser would accept the ONNX a "
+            "model's tensorrt engines are built from (exit 1 if not)")
+    p.add_argument("model", help="model name from params.yaml (e.g. embedder)")
+    add("fallback-table", cmd_fallback_table, "native vs fallback compute nodes for every model × target × precision "
+        "(artifacts/reports/fallback.json + .md)")
     return parser
 
 

@@ -47,6 +47,7 @@ class System:
     cfg: Config
     engines: dict[str, str] = field(default_factory=dict)
     gallery: tuple[np.ndarray, list[str]] | None = None
+    index: tuple[object, np.ndarray, tuple[str, ...]] | None = None   # (faiss index, row labels, identity names)
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     # ------------------------------------------------------------------ construction
@@ -101,6 +102,21 @@ class System:
         emb = self.embed(to_nchw(gset.chips[plain]))
         self.gallery = (emb, [gset.identities[gset.labels[i]] for i in plain])
 
+    def use_index(self, size: int, root: Path = Path(".")) -> None:
+        """Match through the chosen FAISS index of the `size` gallery (golden identities + distractors)."""
+        from pipeline.manifest import manifest_path, read_manifest
+        from pipeline.matching import index as ix
+
+        name = f"gallery-{size}"
+        d = paths.index(name, root)
+        if not (d / "index.faiss").is_file():
+            raise KilnError(f"{d}: no matching index for a {size} gallery", f"build it: dvc repro match@{size}")
+        built = ix._faiss().read_index(str(d / "index.faiss"))
+        ix.set_search_params(built, ix.spec(read_manifest(manifest_path(d, name))["build"]["spec"]))
+        labels = np.load(paths.gallery(size, root) / "labels.npy", allow_pickle=False)
+        self.index = (built, labels, load_set(paths.data_set("golden", root)).identities)
+        self.engines["matching"] = f"{name} ({read_manifest(manifest_path(d, name))['build']['spec']})"
+
     def identify(self, rgb: np.ndarray, exclude: int | None = None) -> list[Match]:
         """Faces in `rgb`, best first; `exclude` drops one gallery entry (leave-one-out checks)."""
         if self.gallery is None:
@@ -120,14 +136,25 @@ class System:
         image = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32)
         chips = self._timed("align", self.align, image, theta)
         emb = self._timed("embed", self.embed, np.ascontiguousarray(chips, np.float32))
-        gal, names = self.gallery
-        keep = np.arange(len(names)) != (-1 if exclude is None else exclude)
+        if self.index is not None and exclude is None:
+            found = self._timed("match", self._search_index, emb)
+        else:
+            gal, names = self.gallery
+            keep = np.arange(len(names)) != (-1 if exclude is None else exclude)
 
-        def match(e):
-            d = np.linalg.norm(gal[keep] - e, axis=1)
-            j = int(np.argmin(d))
-            return [n for n, k in zip(names, keep) if k][j], float(d[j])
+            def match(e):
+                d = np.linalg.norm(gal[keep] - e, axis=1)
+                j = int(np.argmin(d))
+                return [n for n, k in zip(names, keep) if k][j], float(d[j])
 
-        found = self._timed("match", lambda: [match(e) for e in emb])
+            found = self._timed("match", lambda: [match(e) for e in emb])
         thr = self.cfg.model("embedder").verify_threshold
         return [Match(f.box, f.score, n if d < thr else "unknown", n, d) for f, (n, d) in zip(faces, found)]
+
+    def _search_index(self, emb: np.ndarray) -> list[tuple[str, float]]:
+        from pipeline.matching import index as ix
+
+        built, labels, names = self.index
+        d, i = ix.search(built, emb, 1)
+        return [(names[labels[j]] if labels[j] >= 0 else "distractor", float(dist))
+                for j, dist in zip(i[:, 0], d[:, 0])]

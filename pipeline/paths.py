@@ -23,6 +23,10 @@ def mtcnn_weights(assets_dir: Path) -> tuple[Path, Path, Path]:
     return tuple(Path(assets_dir) / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet"))
 
 
+def program(model: str, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "program" / model
+
+
 def calibration(model: str, root: Path = Path(".")) -> Path:
     return root / ARTIFACTS / "calibration" / model
 
@@ -49,3 +53,17 @@ def bench(model: str, root: Path = Path(".")) -> Path:
 
 def receipt(name: str, root: Path = Path(".")) -> Path:
     return root / ARTIFACTS / "registry" / f"{name}.json"
+
+
+def gallery(size: int, root: Path = Path(".")) -> Path:
+    return root / ARTIFACTS / "gallery" / str(size)
+
+
+def index(name: str, root: Path = Path(".")) -> Path:
+    """The chosen FAISS index of a gallery (name `gallery-<size>`): index.faiss + manifest."""
+    return root / ARTIFACTS / "index" / name
+
+
+def matching(name: str, root: Path = Path(".")) -> Path:
+    """The index choice's gate verdict (validation.json); its curve is `matching/<name>.curve.json`."""
+    return root / ARTIFACTS / "matching" / name

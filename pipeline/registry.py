@@ -291,7 +291,8 @@ def _mlflow_errors(uri: str) -> Iterator[None]:
 
 def _resolve_name(cfg: Config, name: str) -> str:
     """Accept the registered model name (kiln-<engine>) or the engine name."""
-    return model_name(name) if name in cfg.engines and not name.startswith(_PREFIX) else name
+    known = name in cfg.engines or name.startswith("gallery-")      # engines and gallery indexes
+    return model_name(name) if known and not name.startswith(_PREFIX) else name
 
 
 # ---------------------------------------------------------------------------------------------- history
@@ -363,8 +364,8 @@ def _production_stack(moves: list[AliasMove]) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- register
-def _read_validation(engine_name: str, manifest: dict[str, Any], root: Path) -> dict[str, Any]:
-    path = paths.validation(engine_name, root) / VALIDATION_FILE
+def _read_validation(engine_name: str, manifest: dict[str, Any], root: Path, path: Path | None = None) -> dict[str, Any]:
+    path = path or paths.validation(engine_name, root) / VALIDATION_FILE
     try:
         v = json.loads(path.read_text())
     except FileNotFoundError:
@@ -441,6 +442,47 @@ def register(cfg: Config, engine_name: str, root: Path = Path(".")) -> Receipt:
     return receipt
 
 
+def register_index(cfg: Config, size: int, root: Path = Path(".")) -> Receipt:
+    """register-index@<size>: the chosen FAISS index of a gallery, as registered model `kiln-gallery-<size>`.
+
+    Same rules as engines: manifest (kind "index") must verify, the gate verdict (match@<size>'s validation.json)
+    must be about this very build, and registration is idempotent by the files' sha256. The curve row of the
+    chosen index (recall, latency, bytes) is logged as its bench metrics.
+    """
+    from pipeline.stages.matching import VALIDATION_FILE as GATE_FILE, index_name
+
+    if cfg.matching is None or size not in cfg.matching.sizes:
+        raise KilnError(f"gallery size {size} is not in params.yaml matching.gallery_sizes",
+                        "add it there (dvc.yaml builds one stage per size)")
+    root, name = Path(root), index_name(size)
+    index_dir = paths.index(name, root)
+    mpath = manifest_path(index_dir, name)
+    manifest = read_manifest(mpath)
+    if manifest.get("kind") != "index" or manifest.get("name") != name:
+        raise KilnError(f"{mpath}: describes {manifest.get('kind')} {manifest.get('name')!r}, not index {name!r}",
+                        f"rebuild it (dvc repro -f match@{size})")
+    if problems := verify_manifest(mpath):
+        raise GateFailed(f"{name}: index files do not match their manifest: " + "; ".join(problems),
+                         f"rebuild it (dvc repro -f match@{size}) or restore it (dvc checkout)")
+    gate_path = paths.matching(name, root) / GATE_FILE
+    validation = _read_validation(name, manifest, root, gate_path)
+    spec = EngineSpec(name, manifest.get("model") or "embedder", manifest.get("target") or "faiss-cpu",
+                      manifest.get("precision") or "fp32", None)
+    bench = {k: v for k, v in (validation.get("metrics") or {}).items() if k.startswith(("p50", "p99", "build", "bytes"))}
+    rname, digest, ident = model_name(name), engine_digest(manifest), identity_digest(manifest)
+    reg = _Registry(cfg, root)
+    with _mlflow_errors(reg.uri):
+        existing = reg.client.search_model_versions(f"name = '{rname}' and tags.sha256 = '{digest}'")
+        if existing:
+            receipt = Receipt(rname, min(_version_int(v.version) for v in existing), digest, _redact(reg.uri), False)
+        else:
+            version = _log_and_register(reg, cfg, spec, rname, index_dir, mpath, manifest, digest, ident, validation,
+                                        gate_path, bench, kind="index")
+            receipt = Receipt(rname, version, digest, _redact(reg.uri), new=True)
+    write_json_atomic(paths.receipt(name, root), receipt.to_json())
+    return receipt
+
+
 def _tags(spec: EngineSpec, manifest: dict[str, Any], digest: str, ident: str, verdict: str) -> dict[str, str]:
     source = manifest.get("source") or {}
     tags = {"engine": spec.name, "model": spec.model, "target": spec.target, "precision": spec.precision,
@@ -464,7 +506,7 @@ def _params(manifest: dict[str, Any]) -> dict[str, str]:
 
 def _log_and_register(reg: _Registry, cfg: Config, spec: EngineSpec, name: str, engine_dir: Path, mpath: Path,
                       manifest: dict[str, Any], digest: str, ident: str, validation: dict[str, Any],
-                      validation_path: Path, bench: dict[str, Any]) -> int:
+                      validation_path: Path, bench: dict[str, Any], kind: str = "engine") -> int:
     from mlflow.entities import LoggedModelOutput, Metric, Param
     from mlflow.exceptions import MlflowException
 
@@ -480,7 +522,7 @@ def _log_and_register(reg: _Registry, cfg: Config, spec: EngineSpec, name: str, 
     try:
         client.log_batch(run_id, params=[Param(k, v) for k, v in sorted(params.items())])
         lm = client.create_logged_model(eid, name=spec.name, source_run_id=run_id, tags=tags, params=params,
-                                        model_type=MODEL_TYPE)
+                                        model_type=f"kiln-{kind}")
         model_id = lm.model_id
         with tempfile.TemporaryDirectory(prefix="kiln-register-") as tmp:
             stage = Path(tmp)
@@ -509,9 +551,9 @@ def _log_and_register(reg: _Registry, cfg: Config, spec: EngineSpec, name: str, 
         raise
 
     try:
-        client.create_registered_model(name, tags={"kind": "engine", "model": spec.model, "target": spec.target,
+        client.create_registered_model(name, tags={"kind": kind, "model": spec.model, "target": spec.target,
                                                    "precision": spec.precision},
-                                       description=f"Kiln engine {spec.name}")
+                                       description=f"Kiln {kind} {spec.name}")
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise

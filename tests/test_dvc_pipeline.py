@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,13 @@ import pytest
 from conftest import REPO
 
 
+def _small_galleries(params: Path) -> None:
+    """Only the 10k gallery in the copy: 100k and 1M cost minutes (issue 5; bench/matching.py measures them)."""
+    text, n = re.subn(r"(?m)^(  gallery_sizes:)\s*\[[^\]]*\]", r"\1 [10000]", params.read_text())
+    assert n == 1, "params.yaml: matching.gallery_sizes not found as a one-line list"
+    params.write_text(text)
+
+
 def _copy_worktree(dest: Path) -> Path:
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split("\0")
@@ -22,6 +30,7 @@ def _copy_worktree(dest: Path) -> Path:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, dest / f)
     (dest / "dvc.lock").unlink(missing_ok=True)
+    _small_galleries(dest / "params.yaml")
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snapshot"]):
         subprocess.run(cmd, cwd=dest, check=True)
@@ -40,7 +49,7 @@ def repo(tmp_path_factory) -> Path:
     return _copy_worktree(tmp_path_factory.mktemp("clone"))
 
 
-ALWAYS = ("toolchain@", "register@")  # always_changed: the fingerprint is re-probed, registration re-checked
+ALWAYS = ("toolchain@", "register@", "register-index@")  # always_changed: the fingerprint is re-probed, registration re-checked
 
 
 def ran(out: str) -> set[str]:
@@ -54,7 +63,9 @@ def test_repro_builds_then_reruns_nothing(repo):
     for rel in ("artifacts/assets/assets.manifest.json", "artifacts/export/embedder/model.onnx",
                 "artifacts/golden/embedder/embeddings.npy", "artifacts/export/embedder/embedder.manifest.json",
                 "artifacts/engines/embedder-ort-cpu-int8/model.onnx", "artifacts/bench/embedder/bench.json",
-                "artifacts/registry/embedder-ort-cpu-int8.json", "artifacts/registry/embedder-ort-cpu-fp32.json"):
+                "artifacts/registry/embedder-ort-cpu-int8.json", "artifacts/registry/embedder-ort-cpu-fp32.json",
+                "artifacts/index/gallery-10000/index.faiss", "artifacts/matching/gallery-10000.curve.json",
+                "artifacts/registry/gallery-10000.json"):
         assert (repo / rel).is_file(), rel
     receipts = {p.name: p.read_text() for p in (repo / "artifacts/registry").iterdir()}
     second = dvc(repo, "repro")

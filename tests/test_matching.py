@@ -192,3 +192,136 @@ def test_latency_and_bandwidth_shapes(gallery10k, queries):
     lat = ix.search_latency(ix.build("sq8", gallery10k[0]).index, queries[0], 4, 5)
     assert 0 < lat["p50_ms"] <= lat["p99_ms"]
     assert ix.memory_bandwidth_gbps(mib=64, repeats=2) > 0.5
+
+
+def test_recall_counts_equidistant_results():
+    """Duplicates: exact search lists one of two equal rows, the index the other: a hit, not a miss. A farther row
+    never replaces a closer one, and the tie rule uses true distances (PQ estimates would flatter it)."""
+    exact_ids, approx_ids = np.array([[3, 4], [5, 6]]), np.array([[4, 3], [7, 6]])
+    exact_d, true_d = np.array([[0.2, 0.2], [0.1, 0.3]]), np.array([[0.2, 0.2], [0.3, 0.3]])
+    assert ix.recall_at_k(exact_ids, approx_ids, 1) == pytest.approx(0.0)                    # by id: both miss
+    assert ix.recall_at_k(exact_ids, approx_ids, 1, exact_d, true_d) == pytest.approx(0.5)   # row 0's top-1 ties
+    # row 1: 6 is common; 7 (0.3) cannot stand in for the missed 5 (0.1): 3 of 4
+    assert ix.recall_at_k(exact_ids, approx_ids, 2, exact_d, true_d) == pytest.approx(3 / 4)
+    # 7 tied with the exact 2nd (6 at 0.3) and 6 missing instead of 5: 7 replaces 6
+    assert ix.recall_at_k(np.array([[5, 6]]), np.array([[5, 7]]), 2, np.array([[0.1, 0.3]]),
+                          np.array([[0.1, 0.3]])) == 1.0
+
+
+# ------------------------------------------------------------------------------------- stages (gallery@, match@)
+
+from dataclasses import replace  # noqa: E402
+
+from pipeline.errors import GateFailed  # noqa: E402
+from pipeline.manifest import manifest_path, read_manifest, verify_manifest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def stage_root(tmp_path_factory, request):
+    """A root holding the golden set and golden embeddings (copied from the repository's build, else built)."""
+    import shutil
+
+    src = REPO
+    if not ((REPO / "artifacts/golden/embedder/embeddings.npy").is_file()
+            and (REPO / "artifacts/data/golden").is_dir()):
+        src = request.getfixturevalue("built")
+    root = tmp_path_factory.mktemp("matching")
+    for rel in ("artifacts/golden/embedder", "artifacts/data/golden"):
+        shutil.copytree(src / rel, root / rel)
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    return root
+
+
+def _mcfg(cfg, **kw):
+    base = dict(sizes=(5000,), queries=200, runs_b1=20, runs_b64=3, max_seconds=0.2,
+                sweep=("flat", "sq8", "ivf-flat:nlist={nlist},nprobe=4", "ivf-flat:nlist={nlist},nprobe=32"),
+                max_size={})
+    base.update(kw)
+    return replace(cfg, matching=replace(cfg.matching, **base))
+
+
+def test_match_stage_writes_a_verifiable_gated_index(cfg, stage_root):
+    import json
+
+    from pipeline import paths
+    from pipeline.stages import matching
+
+    c = _mcfg(cfg)
+    gal = matching.gallery_run(c, 5000, stage_root)
+    assert verify_manifest(manifest_path(gal.directory, "gallery-5000"), stage_root) == []
+    r = matching.match_run(c, 5000, stage_root, progress=lambda _: None)
+    assert r.passed and r.chosen["recall@1"] >= c.matching.recall_at_1_min
+    assert r.chosen["recall@10"] >= c.matching.recall_at_10_min
+    mpath = manifest_path(paths.index("gallery-5000", stage_root), "gallery-5000")
+    assert verify_manifest(mpath, stage_root) == []
+    m = read_manifest(mpath)
+    assert m["kind"] == "index" and m["build"]["spec"] == r.chosen["index"] and m["build"]["threads"] == 1
+    assert m["toolchain"]["faiss-cpu"] != "absent" and m["results"]["chosen"] == r.chosen["index"]
+    assert "curve" in m["record"] and "flat_scan_fraction" in m["record"]["bandwidth"]
+    timed = ("p50_ms_b1", "p99_ms_b1", "p50_ms_b64", "build_s", "bandwidth")   # timings only in the record
+    assert not any(k in m["results"] or any(k in row for row in m["results"]["recall"]) for k in timed)
+    gate = json.loads((paths.matching("gallery-5000", stage_root) / "validation.json").read_text())
+    from pipeline.manifest import identity_digest
+    assert gate["verdict"] == "pass" and gate["engine_manifest_xxh3_128"] == identity_digest(m)
+    curve = json.loads(matching.curve_path(5000, stage_root).read_text())
+    assert [row["index"] for row in curve if row["chosen"]] == [r.chosen["index"]]
+    # identity gate, redone from the stored bytes: golden identities' top-1 exactly as through exact search
+    import faiss
+    index = faiss.read_index(str(mpath.parent / "index.faiss"))
+    vectors = np.load(gal.directory / "vectors.npy")
+    labels = np.load(gal.directory / "labels.npy")
+    q = g.noisy_copies(vectors[labels >= 0], json.loads((gal.directory / "distribution.json").read_text()), 5)
+    exact = ix.search(ix.build("flat", vectors).index, q, 1)[1][:, 0]
+    assert np.array_equal(labels[ix.search(index, q, 1)[1][:, 0]], labels[exact])
+    # rebuilding gives the same identity (bytes, build params, recall), whatever the timings were
+    again = matching.match_run(c, 5000, stage_root, progress=lambda _: None)
+    if again.chosen["index"] == r.chosen["index"]:
+        assert read_manifest(mpath)["files"] == m["files"]
+
+
+def test_too_strict_target_fails_the_stage(cfg, stage_root):
+    import json
+
+    from pipeline import paths
+    from pipeline.stages import matching
+
+    c = _mcfg(cfg, sweep=("ivf-pq:nlist={nlist},m=8,nbits=4,nprobe=1", "ivf-flat:nlist={nlist},nprobe=1"),
+              recall_at_1_min=1.0, recall_at_10_min=0.999)
+    if not (paths.gallery(5000, stage_root) / "vectors.npy").is_file():
+        matching.gallery_run(c, 5000, stage_root)
+    with pytest.raises(GateFailed, match=r"match@5000: no index of the sweep reaches recall@1 >= 1.0 .*the best was") as e:
+        matching.match_run(c, 5000, stage_root, progress=lambda _: None)
+    assert "flat" in e.value.hint
+    gate = json.loads((paths.matching("gallery-5000", stage_root) / "validation.json").read_text())
+    assert gate["verdict"] == "fail" and gate["chosen"] is None
+
+
+def test_identity_gate_rejects_a_disagreeing_index(cfg):
+    from pipeline.stages import matching
+
+    labels = np.array([0, 1, 2, -1, -1])
+    exact_ids, ids = np.array([[0], [1], [3], [4]]), np.array([[0], [2], [3], [3]])
+    exact_d, d = np.array([[0.2], [0.3], [0.5], [0.7]]), np.array([[0.2], [0.5], [0.55], [0.65]])
+    row = {"index": "x", **matching.face_gate(exact_ids, exact_d, ids, d, labels, np.array([0, 1, 3, 4]), 2, 0.6)}
+    assert row["golden_top1_agreement"] == 0.5 and row["decision_agreement"] == 0.75
+    failures = matching.gate(row, cfg.matching)
+    assert any("golden_top1_agreement 0.5" in f for f in failures)
+
+
+def test_matching_config_rejects_impossible_targets(tmp_path):
+    import yaml
+
+    from pipeline import config
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw["matching"]["targets"]["recall_at_1_min"] = 1.01
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(KilnError, match="can never exceed 1.0") as e:
+        config.load(tmp_path / "p.yaml")
+    assert e.value.hint
+    raw["matching"]["targets"]["recall_at_1_min"] = 0.99
+    raw["matching"]["nlist_per_sqrt_n"] = 8.0          # 256 lists at 2000 vectors
+    raw["matching"]["gallery_sizes"] = [2000]
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(KilnError, match="training vectors"):
+        config.load(tmp_path / "p.yaml")

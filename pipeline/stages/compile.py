@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import paths, targets
-from pipeline.config import Config, EngineSpec
+from pipeline.config import Config, EngineSpec, source_kind
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_manifest
 from pipeline.stages import fingerprint
@@ -28,8 +28,14 @@ class CompileResult:
     warnings: list[str]
 
 
-def source_onnx(spec: EngineSpec, root: Path) -> tuple[Path, Path]:
-    """The ONNX an engine is compiled from and its manifest: the FP32 export, or the recipe's INT8 QDQ model."""
+def source_artifact(spec: EngineSpec, root: Path) -> tuple[Path, Path]:
+    """The file an engine is compiled from and its manifest, by the target's `source_kind`: the torch.export
+    program (program targets), else the FP32 ONNX export or the recipe's INT8 QDQ model."""
+    if source_kind(spec.target) == "program":
+        from pipeline.stages.program import PROGRAM_FILE
+
+        d = paths.program(spec.model, root)
+        return d / PROGRAM_FILE, manifest_path(d, spec.model)
     if spec.precision == "int8":
         d = paths.quantized(spec.model, spec.recipe, root)
         return d / "model.onnx", manifest_path(d, f"{spec.model}-{spec.recipe}")
@@ -51,9 +57,9 @@ def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> CompileResult:
     if not fp["available"]:
         raise KilnError(f"engine {engine_name}: {spec.target}: unavailable ({fp['reason']})",
                         "build it on a host that has this toolchain, or drop the engine from `engines:`")
-    onnx_path, onnx_manifest = source_onnx(spec, root)
+    onnx_path, onnx_manifest = source_artifact(spec, root)
     if not onnx_path.is_file():
-        raise KilnError(f"{onnx_path}: source ONNX for {engine_name} not found", "run the upstream stages: dvc repro")
+        raise KilnError(f"{onnx_path}: source artifact for {engine_name} not found", "run the upstream stages: dvc repro")
     target = targets.get(spec.target)
     options = CompileOptions(spec.precision, tcfg.options)
     out = paths.engine(engine_name, root)
@@ -69,13 +75,15 @@ def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> CompileResult:
         if getattr(target, "cheap_rebuild", False):  # compile again and compare bytes: is the engine reproducible?
             with tempfile.TemporaryDirectory(dir=d.parent) as again:
                 reproducible = _digests(files) == _digests(target.compile(onnx_path, options, Path(again)))
-        inputs = [input_ref("onnx", onnx_manifest, root)]
+        inputs = [input_ref(source_kind(spec.target), onnx_manifest, root)]  # role "onnx" or "program"
+        # targets whose engines carry more than files (tensorrt: builder plan, inspector summary, equivalence)
+        extras = target.manifest_extras(d) if hasattr(target, "manifest_extras") else {}
         write_manifest(d, build_manifest(
             kind="engine", name=engine_name, model=spec.model, target=spec.target, precision=spec.precision,
             directory=d, files=files, inputs=inputs, toolchain={**fp["rebuild_on"], **fp["info"]},
             build={"options": tcfg.options, "recipe": spec.recipe, "fallback_policy": tcfg.fallback_policy,
-                   "deterministic": reproducible},
+                   "deterministic": reproducible, **extras.get("build", {})},
             source=source_info(root, {"engine": cfg.section("engines", engine_name),
                                       "target": cfg.section("targets", spec.target)}),
-            results={"audit": audit.summary(), "fallback_warnings": warnings}))
+            results={"audit": audit.summary(), "fallback_warnings": warnings, **extras.get("results", {})}))
     return CompileResult(out, audit, reproducible, warnings)

@@ -1,0 +1,162 @@
+"""program@<model>: the `torch.export` program of a model (dynamic batch), saved as a .pt2 archive.
+
+This is the source artifact of the program targets (`aoti-cpu`, later `aoti-cuda`), the way the ONNX export is the
+source of the ONNX targets. The program is exported non-strict with one symbolic batch dimension, checked against
+the golden outputs (it runs the same ATen kernels as eager PyTorch, so parity is near-exact), and saved with
+`torch.export.save`. Whether the saved bytes are reproducible is checked on every run by exporting once more in a
+fresh process (a few seconds) and comparing sha256; the answer is recorded as `build.deterministic`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline import models, paths, samples, toolchain
+from pipeline.config import Config, ModelConfig
+from pipeline.errors import GateFailed, KilnError
+from pipeline.stages.golden import load_reference
+from pipeline.manifest import (atomic_dir, build_manifest, file_digests, input_ref, manifest_path, source_info,
+                               write_bytes_atomic, write_manifest)
+
+PROGRAM_FILE = "program.pt2"
+
+_AGAIN = """
+import sys
+from pathlib import Path
+from pipeline import config
+from pipeline.stages import program
+from pipeline import samples
+cfg, name, root = config.load(Path(sys.argv[1])), sys.argv[2], Path(sys.argv[3])
+example = samples.feeds(cfg, name, "golden", root)[0]
+Path(sys.argv[4]).write_bytes(program.program_bytes(program.export_program(
+    program.build_model(cfg.model(name), root), cfg.model(name), example)))
+"""
+
+
+@dataclass(frozen=True)
+class ProgramResult:
+    path: Path
+    parity: dict
+    ops: dict[str, int]
+    deterministic: bool | None
+
+
+def build_model(mcfg: ModelConfig, root: Path) -> torch.nn.Module:
+    return models.build(mcfg, root)
+
+
+def export_program(model: torch.nn.Module, mcfg: ModelConfig,
+                   example: dict[str, np.ndarray]) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) with params `models.<name>.dynamic` as symbolic dims; everything else static.
+
+    `example` (the first golden feed, as export.py uses) gives the input names, order and shapes; a dynamic size
+    must not be 0 or 1 in it (torch.export specializes those). `Dim.DYNAMIC` makes export fail, rather than
+    silently specialize, if the model fixes a declared-dynamic size.
+    """
+    dynamic = tuple({a: torch.export.Dim.DYNAMIC for a in mcfg.dynamic.get(name, ())} or None for name in example)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            return torch.export.export(model, tuple(torch.from_numpy(v) for v in example.values()),
+                                       dynamic_shapes=dynamic, strict=False)
+        except Exception as e:  # torch raises several unrelated types (UserError, GuardOnDataDependent…)
+            raise KilnError(f"models.{mcfg.name}: torch.export failed: {str(e).strip().splitlines()[0][:300]}",
+                            "the model has Python control flow on tensor values or fixes a size declared dynamic "
+                            "in models.<name>.dynamic; see torch.export's message") from None
+
+
+def program_bytes(ep: torch.export.ExportedProgram) -> bytes:
+    buf = io.BytesIO()
+    torch.export.save(ep, buf)
+    return buf.getvalue()
+
+
+def aten_ops(ep: torch.export.ExportedProgram) -> dict[str, int]:
+    ops = Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
+    return dict(sorted(ops.items()))
+
+
+def parity(ep: torch.export.ExportedProgram, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
+    """The exported program vs the golden (eager PyTorch) outputs on every feed and output, as export.py does."""
+    module, max_abs, cosines, n = ep.module(), 0.0, [], 0
+    with torch.no_grad():
+        for feed, ref in zip(feeds, reference):
+            y = module(*(torch.from_numpy(v) for v in feed.values()))
+            got = [t.numpy() for t in (y if isinstance(y, (tuple, list)) else (y,))]
+            n += next(iter(feed.values())).shape[0]
+            for g, r in zip(got, ref):
+                g2, r2 = g.reshape(len(g), -1).astype(np.float64), r.reshape(len(r), -1).astype(np.float64)
+                max_abs = max(max_abs, float(np.abs(g2 - r2).max()))
+                cosines.append(np.sum(g2 * r2, 1) / np.maximum(np.linalg.norm(g2, axis=1) * np.linalg.norm(r2, axis=1),
+                                                                1e-30))
+    cos = np.concatenate(cosines)
+    return {"max_abs": max_abs, "cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "samples": n}
+
+
+def bytes_in_fresh_process(params: Path, model_name: str, root: Path) -> bytes:
+    """Export again in a new interpreter: the honest test of byte-reproducibility (hash seeds, ids, caches)."""
+    with tempfile.TemporaryDirectory(dir=paths.program(model_name, root).parent) as tmp:
+        out = Path(tmp) / PROGRAM_FILE
+        repo = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+        r = subprocess.run([sys.executable, "-c", _AGAIN, str(Path(params).resolve()), model_name,
+                            str(Path(root).resolve()), str(out)], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise KilnError(f"program@{model_name}: re-export in a fresh process failed: "
+                            f"{(r.stderr.strip().splitlines() or ['?'])[-1]}", "run `kiln program` to see the error")
+        return out.read_bytes()
+
+
+def run(cfg: Config, model_name: str, root: Path = Path("."), check_reproducible: bool = True) -> ProgramResult:
+    mcfg = cfg.model(model_name)
+    golden_dir = paths.golden(model_name, root)
+    feeds = samples.feeds(cfg, model_name, "golden", root)
+    _, reference = load_reference(golden_dir)
+    ep = export_program(build_model(mcfg, root), mcfg, feeds[0])
+    data = program_bytes(ep)
+    par = parity(ep, feeds, reference)
+    max_abs = cfg.export.parity_max_abs if mcfg.parity_max_abs is None else mcfg.parity_max_abs
+    min_cos = cfg.export.parity_min_cosine
+    if par["max_abs"] > max_abs or par["cosine_min"] < min_cos:
+        raise GateFailed(f"program@{model_name}: exported program differs from PyTorch eager: max |Δ| "
+                         f"{par['max_abs']:.3g} (limit {max_abs:g}), min cosine {par['cosine_min']:.7f} "
+                         f"(limit {min_cos:g})", "torch.export traced a different computation; inspect its graph")
+    out = paths.program(model_name, root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    deterministic = None
+    if check_reproducible:
+        again = bytes_in_fresh_process(cfg.source, model_name, root)
+        deterministic = hashlib.sha256(again).digest() == hashlib.sha256(data).digest()
+    ops = aten_ops(ep)
+    with atomic_dir(out) as d:
+        write_bytes_atomic(d / PROGRAM_FILE, data)
+        torch.export.load(d / PROGRAM_FILE)  # what we wrote loads back
+        results = {"parity": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in par.items()},
+                   "parity_limits": {"max_abs": max_abs, "min_cosine": min_cos},
+                   "ops": ops, "nodes": sum(ops.values()),
+                   "range_constraints": {str(k): str(v) for k, v in ep.range_constraints.items()}}
+        inputs = [input_ref("golden", manifest_path(golden_dir, model_name), root)]
+        if mcfg.weights is not None:
+            inputs.append({"role": "weights", "path": mcfg.weights.as_posix(), **file_digests(root / mcfg.weights)})
+        write_manifest(d, build_manifest(
+            kind="program", name=model_name, model=model_name, precision="fp32", directory=d,
+            files=[d / PROGRAM_FILE], inputs=inputs, toolchain=toolchain.describe("torch"),
+            build={"exporter": "torch.export", "strict": False, "dim": "Dim.DYNAMIC",
+                   "dynamic_axes": {k: list(v) for k, v in mcfg.dynamic.items()},
+                   "example_inputs": {k: list(v.shape) for k, v in feeds[0].items()},
+                   "deterministic": deterministic},
+            source=source_info(root, {"model": cfg.section("models", model_name),
+                                      "parity": cfg.section("export", "parity")}), results=results))
+    return ProgramResult(out / PROGRAM_FILE, results["parity"], ops, deterministic)

@@ -1,0 +1,128 @@
+"""aoti-cpu: probe, the torch.export program stage, one real AOTInductor compile, and the engines' `source:` key."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from pipeline import config, paths, targets
+from pipeline.errors import KilnError
+from pipeline.manifest import read_manifest, verify_manifest
+from pipeline.stages import compile as compile_stage
+from pipeline.stages import fingerprint, program, validate
+from pipeline.targets.aoti import BUILD_DIR, PACKAGE_FILE
+from conftest import REPO
+
+ENGINE = "embedder-aoti-cpu-fp32"
+
+
+def _write(tmp_path, mutate):
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    mutate(raw)
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- probe
+def test_probe_records_torch_compiler_and_flags(tmp_path):
+    tc, path = fingerprint.run("aoti-cpu", tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    assert tc.available and doc["available"] is True
+    r = doc["rebuild_on"]
+    assert r["torch"] == torch.__version__
+    assert r["cxx_version"] and ("g++" in r["cxx_version"] or "clang" in r["cxx_version"])
+    assert {"O3", "shared", "fPIC"} <= set(r["cxx_flags"]) and r["vec_isa"] and "isa" in r and "machine" in r
+    assert doc["info"]["cxx_path"].startswith("/") and "cpp_builder" in doc["info"]["flags_source"]
+    assert "torch" in doc["info"]["libraries"]
+    assert tc.line().startswith("aoti-cpu: available (torch ")
+
+
+def test_target_declares_its_source_kind():
+    assert targets.TARGETS["aoti-cpu"].source_kind == "program"
+    assert config.source_kind("aoti-cpu") == "program" and config.source_kind("ort-cpu") == "onnx"
+
+
+# ---------------------------------------------------------------------------------------------- program stage
+@pytest.fixture(scope="module")
+def program_dir(built, cfg):
+    r = program.run(cfg, "embedder", built)
+    assert r.deterministic is True, "torch.export.save bytes differ between processes"
+    return paths.program("embedder", built)
+
+
+def test_program_stage_writes_a_loadable_program(program_dir, built, cfg):
+    m = read_manifest(program_dir / "embedder.manifest.json")
+    assert m["kind"] == "program" and m["build"]["deterministic"] is True
+    assert {i["role"] for i in m["inputs"]} == {"golden", "weights"}
+    assert m["results"]["parity"]["max_abs"] <= cfg.export.parity_max_abs
+    assert m["results"]["ops"]["aten.conv2d.default"] == 29
+    assert verify_manifest(program_dir / "embedder.manifest.json", root=built) == []
+    ep = torch.export.load(program_dir / program.PROGRAM_FILE)
+    x = torch.rand(3, 3, 150, 150) * 255  # a batch size it was not traced with: the batch dim is symbolic
+    assert ep.module()(x).shape == (3, 128)
+
+
+# ---------------------------------------------------------------------------------------------- one real compile
+@pytest.mark.slow
+def test_compiled_package_loads_matches_golden_and_verifies(program_dir, built, cfg):
+    fingerprint.run("aoti-cpu", built)
+    r = compile_stage.run(cfg, ENGINE, built)          # the one AOTInductor compile of the suite (20–50 s)
+    engine = paths.engine(ENGINE, built)
+    assert not (built / "artifacts" / BUILD_DIR).exists(), "inductor build dir left behind"
+    manifest = engine / f"{ENGINE}.manifest.json"
+    assert verify_manifest(manifest, root=built) == []
+    m = read_manifest(manifest)
+    assert [i["role"] for i in m["inputs"]] == ["program"] and m["build"]["deterministic"] is True
+    assert m["toolchain"]["cxx_version"] and m["results"]["package"]["cpu_isa"]
+
+    # audit: what the generated wrapper calls
+    a = r.audit.summary()
+    assert r.audit.ok and a["native"]["aten.convolution"] == 29 and a["other"]["generated_kernels"] >= 10
+    assert any(k.startswith("inductor.aten.") for k in a["native"])
+    with zipfile.ZipFile(engine / PACKAGE_FILE) as z:
+        assert any(n.endswith(".wrapper.so") for n in z.namelist())
+    int8_view = targets.get("aoti-cpu").audit(engine, "int8")  # the same package read as INT8: convs are float
+    assert {f["op"] for f in int8_view.fallback} >= {"aten.convolution"}
+
+    # loads, runs any batch, and passes the face-task gate
+    runner = targets.get("aoti-cpu").load(engine)
+    assert runner.run(np.zeros((5, 3, 150, 150), np.float32)).shape == (5, 128)
+    v = validate.run(cfg, ENGINE, built)
+    assert v.passed, v.failures
+    assert v.metrics["cosine_min"] > 0.99999 and v.metrics["l2_max"] < 1e-3
+    assert json.loads((engine / "options.json").read_text())["threads"] == 2
+
+
+# ---------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize("mutate, key, hint", [
+    (lambda r: r["engines"][ENGINE].update(source="artifacts/export/embedder"), f"engines.{ENGINE}.source",
+     "artifacts/program/embedder"),
+    (lambda r: r["engines"]["embedder-ort-cpu-fp32"].update(source="artifacts/program/embedder"),
+     "engines.embedder-ort-cpu-fp32.source", "artifacts/export/embedder"),
+    (lambda r: r["engines"]["embedder-ort-cpu-int8"].update(source="artifacts/export/embedder"),
+     "engines.embedder-ort-cpu-int8.source", "artifacts/quantized/embedder-ort"),
+    (lambda r: r["engines"][ENGINE].update(onnx=r["engines"][ENGINE].pop("source")), f"engines.{ENGINE}.onnx",
+     "rename `onnx:` to `source:`"),
+    (lambda r: r["engines"][ENGINE].pop("source"), f"engines.{ENGINE}.source: missing", "source"),
+    (lambda r: r["engines"][ENGINE].update(precision="int8", recipe="ort"), f"engines.{ENGINE}.precision",
+     "fp32"),
+    (lambda r: r["program"].update(models=[]), f"engines.{ENGINE}.model", "program.models"),
+    (lambda r: r["program"].update(models=["nobody"]), "program.models: unknown models", "known models"),
+])
+def test_source_key_errors(tmp_path, mutate, key, hint):
+    p = _write(tmp_path, mutate)
+    with pytest.raises(KilnError) as e:
+        config.load(p)
+    assert str(p) in e.value.message and key in e.value.message, e.value.message
+    assert hint in e.value.hint, e.value.hint
+
+
+def test_repository_engines_name_their_sources(cfg):
+    assert cfg.engine(ENGINE).source == "artifacts/program/embedder"
+    assert cfg.engine("embedder-ort-cpu-int8").source == "artifacts/quantized/embedder-ort"
