@@ -43,7 +43,7 @@ def test_exported_artifact_is_checked_and_recorded(built):
     assert verify_manifest(d / "embedder.manifest.json", root=built) == []
     assert m["results"]["ops"]["Conv"] == 29 and m["results"]["parity"]["max_abs"] < 1e-4
     assert m["results"]["outputs"]["output"] == ["batch", 128]
-    assert {i["role"] for i in m["inputs"]} == {"golden", "golden_set"}
+    assert {i["role"] for i in m["inputs"]} == {"golden"}
     assert m["toolchain"]["torch"].startswith("2.13.0") and m["build"]["opset"] == 17
 
 
@@ -53,4 +53,4 @@ def test_parity_beyond_tolerance_fails_and_writes_nothing(built, cfg, tmp_path):
     with pytest.raises(GateFailed, match="differs from PyTorch beyond tolerance"):
         export.run(strict, "embedder", built)
     assert (built / "artifacts/export/embedder/model.onnx").stat().st_mtime_ns == before
-    assert sorted(p.name for p in (built / "artifacts/export").iterdir()) == ["embedder"]
+    assert not [p.name for p in (built / "artifacts/export").iterdir() if p.name.startswith(".")]  # no temp dirs

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from pipeline.config import ModelConfig
 from pipeline.errors import KilnError
 
+if TYPE_CHECKING:  # keep `import pipeline.models.<x>` free of yaml/config for GPU-side scripts
+    import torch
 
-def build(cfg: ModelConfig, root: Path = Path(".")) -> torch.nn.Module:
+    from pipeline.config import ModelConfig
+
+
+def build(cfg: "ModelConfig", root: Path = Path(".")) -> "torch.nn.Module":
     """Instantiate a model in eval mode from its params.yaml entry; `weights` is relative to the project root."""
     module_name, _, attr = cfg.factory.partition(":")
     try:
