@@ -242,7 +242,15 @@ def cmd_identify(args) -> int:
 
     cfg = _cfg(args)
     rgbs = [(p, load_rgb(Path(p))) for p in args.images]  # a corrupt file or non-image stops here, clearly
-    system = System.eager(cfg) if args.target == "pytorch" else System.from_engines(cfg, args.target, args.precision)
+    if args.target == "pytorch":
+        system = System.eager(cfg)
+    elif args.release:
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory(prefix="kiln-release-")
+        system = System.from_engines(cfg, args.target, args.precision, release_dir=Path(tmp.name))
+    else:
+        system = System.from_engines(cfg, args.target, args.precision)
     system.enroll()
     if args.gallery:
         system.use_index(args.gallery)
@@ -386,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="ort-cpu", help="engine target, or `pytorch` for the eager reference")
     p.add_argument("--precision", default="int8", choices=["fp32", "fp16", "int8"],
                    help="preferred precision per graph; graphs without such an engine use their FP32 engine")
+    p.add_argument("--release", action="store_true",
+                   help="use each graph's MLflow `production` version (downloaded and checksum-verified) instead of "
+                        "the local build")
     p.add_argument("--gallery", type=int, metavar="SIZE",
                    help="match through the chosen FAISS index of this gallery size (default: brute force over the "
                         "golden enrolment chips)")

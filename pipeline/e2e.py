@@ -52,18 +52,31 @@ class System:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_engines(cls, cfg: Config, target: str, precision: str, root: Path = Path(".")) -> "System":
-        """Per graph, the built engine of `target` in `precision`, else its FP32 engine (which one is recorded)."""
-        chosen = {}
+    def from_engines(cls, cfg: Config, target: str, precision: str, root: Path = Path("."),
+                     release_dir: Path | None = None) -> "System":
+        """Per graph, the built engine of `target` in `precision`, else its FP32 engine (which one is recorded).
+
+        With `release_dir`, each engine is instead its MLflow `production` version, downloaded there and verified
+        against its checksums (what a release engineer ships), rather than the local build.
+        """
+        chosen, dirs = {}, {}
         for model in ("pnet", "rnet", "onet", "aligner", "embedder"):
             options = [e for e in cfg.engines_of(model) if e.target == target]
             pick = next((e for e in options if e.precision == precision), None) or \
                 next((e for e in options if e.precision == "fp32"), None)
-            if pick is None or not (paths.engine(pick.name, root)).is_dir():
-                raise KilnError(f"no built {target} engine for {model!r}",
-                                f"build it first: dvc repro compile@{model}-{target}-fp32 (see `engines:` in params.yaml)")
-            chosen[model] = pick.name
-        runners = {m: targets.get(target).load(paths.engine(n, root)) for m, n in chosen.items()}
+            if pick is None:
+                raise KilnError(f"no {target} engine for {model!r} in params.yaml `engines:`",
+                                f"add one (e.g. {model}-{target}-fp32) and build it: dvc repro")
+            if release_dir is not None:
+                from pipeline import registry
+
+                dirs[model], version = registry.fetch_release(cfg, pick.name, release_dir / pick.name, root)
+                chosen[model] = f"{pick.name}@production(v{version})"
+                continue
+            if not paths.engine(pick.name, root).is_dir():
+                raise KilnError(f"engine {pick.name} is not built", f"build it first: dvc repro compile@{pick.name}")
+            dirs[model], chosen[model] = paths.engine(pick.name, root), pick.name
+        runners = {m: targets.get(target).load(d) for m, d in dirs.items()}
         nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m]) for m in NETS)
         return cls(f"{target}-{precision}", nets,
                    lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0],

@@ -578,36 +578,58 @@ def check_version(reg: _Registry, name: str, version: int) -> str:
         raise GateFailed(f"{name} v{version}: validation verdict is {verdict!r}, not 'pass'; refusing to promote",
                          "fix the engine, rebuild and validate it, register the new version, and promote that")
     engine = tags.get("engine") or name.removeprefix(_PREFIX)
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
+        _, manifest = _download_verified(reg, name, version, engine, tags, Path(tmp))
+        return f"validation pass, {len(manifest['files'])} file(s) verified"
+
+
+def _download_verified(reg: _Registry, name: str, version: int, engine: str, tags: dict[str, str],
+                       dst: Path) -> tuple[Path, dict[str, Any]]:
+    """Download a version's files into `dst`; check them against the stored manifest and the manifest against the
+    version's digest tags. Returns (local directory, manifest); any mismatch is a GateFailed."""
+    from mlflow.artifacts import download_artifacts
+
     for key in ("sha256", "xxh3_128"):
         if not tags.get(key):
             raise GateFailed(f"{name} v{version}: no {key} tag; it was not registered by kiln",
                              "register the engine with `kiln register`")
-    from mlflow.artifacts import download_artifacts
+    local = Path(download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst),
+                                    tracking_uri=reg.uri, registry_uri=reg.uri))
+    mpath = manifest_path(local, engine)
+    if not mpath.is_file():
+        raise GateFailed(f"{name} v{version}: the stored model has no {mpath.name}",
+                         "the artifact store was altered; re-register the engine")
+    try:
+        manifest = read_manifest(mpath)
+    except KilnError as e:
+        raise GateFailed(f"{name} v{version}: stored manifest unreadable: {e.message}",
+                         "the artifact store was altered; re-register the engine") from None
+    problems = verify_manifest(mpath)
+    if (d := engine_digest(manifest)) != tags["sha256"]:
+        problems.append(f"stored manifest's engine digest is {d}, the version's sha256 tag is {tags['sha256']}")
+    if (d := identity_digest(manifest)) != tags["xxh3_128"]:
+        problems.append(f"stored manifest's identity digest is {d}, the version's xxh3_128 tag is {tags['xxh3_128']}")
+    if problems:
+        shown = [p.replace(str(local) + os.sep, "") for p in problems]
+        raise GateFailed(f"{name} v{version}: stored artifacts do not match their checksums (tampered or "
+                         f"corrupted): " + "; ".join(shown),
+                         "do not ship it; re-register the engine from a verified build (kiln verify, "
+                         "kiln register)")
+    return local, manifest
 
-    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
-        local = Path(download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=tmp,
-                                        tracking_uri=reg.uri, registry_uri=reg.uri))
-        mpath = manifest_path(local, engine)
-        if not mpath.is_file():
-            raise GateFailed(f"{name} v{version}: the stored model has no {mpath.name}",
-                             "the artifact store was altered; re-register the engine")
-        try:
-            manifest = read_manifest(mpath)
-        except KilnError as e:
-            raise GateFailed(f"{name} v{version}: stored manifest unreadable: {e.message}",
-                             "the artifact store was altered; re-register the engine") from None
-        problems = verify_manifest(mpath)
-        if (d := engine_digest(manifest)) != tags["sha256"]:
-            problems.append(f"stored manifest's engine digest is {d}, the version's sha256 tag is {tags['sha256']}")
-        if (d := identity_digest(manifest)) != tags["xxh3_128"]:
-            problems.append(f"stored manifest's identity digest is {d}, the version's xxh3_128 tag is {tags['xxh3_128']}")
-        if problems:
-            shown = [p.replace(str(local) + os.sep, "") for p in problems]
-            raise GateFailed(f"{name} v{version}: stored artifacts do not match their checksums (tampered or "
-                             f"corrupted): " + "; ".join(shown),
-                             "do not ship it; re-register the engine from a verified build (kiln verify, "
-                             "kiln register)")
-        return f"validation pass, {len(manifest['files'])} file(s) verified"
+
+def fetch_release(cfg: Config, engine_name: str, dst: Path, root: Path = Path(".")) -> tuple[Path, int]:
+    """The `production` version of an engine, downloaded into `dst` and verified. Returns (engine dir, version)."""
+    reg = _Registry(cfg, root)
+    name = _resolve_name(cfg, engine_name)
+    with _mlflow_errors(reg.uri):
+        reg.require_model(name)
+        version = reg.aliases(name).get(PRODUCTION)
+        if version is None:
+            raise KilnError(f"{name}: no production version", f"promote one first: kiln promote {name} VERSION")
+        tags = reg.version(name, version).tags or {}
+        local, _ = _download_verified(reg, name, version, engine_name, tags, Path(dst))
+    return local, version
 
 
 def _move_production(reg: _Registry, name: str, version: int, action: str, actor: str | None,

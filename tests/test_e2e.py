@@ -95,3 +95,21 @@ def test_identify_cli_bad_photos(system_root, cfg, tmp_path, capsys, monkeypatch
         assert cli.main(["identify", str(tmp_path / bad)]) == 2
         err = capsys.readouterr().err
         assert f"{bad}: not a readable image" in err and "hint:" in err
+
+
+def test_identify_from_released_engines(system_root, cfg, tmp_path, monkeypatch):
+    """--release: every graph comes from its MLflow `production` version, downloaded and checksum-verified."""
+    from pipeline import registry
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    engines = [f"{m}-ort-cpu-fp32" for m in (*GRAPHS, "embedder")]
+    for e in engines:
+        validate.run(cfg, e, system_root)
+        receipt = registry.register(cfg, e, system_root)
+        registry.promote(cfg, receipt.name, receipt.version, system_root, actor="test")
+    s = System.from_engines(cfg, "ort-cpu", "fp32", system_root, release_dir=tmp_path / "release")
+    assert all("@production(v1)" in v for v in s.engines.values()), s.engines
+    s.enroll(system_root)
+    photo = list_photos(system_root / cfg.data.photos)[3]
+    (m,) = s.identify(load_rgb(photo.path))
+    assert m.identity == photo.identity

@@ -59,8 +59,10 @@ class Aligner(nn.Module):
     def forward(self, image: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
         n = theta.shape[0]
         pts = torch.matmul(self.base, theta.transpose(1, 2))             # (N, S*S, 2) image pixel coords
-        hw = torch._shape_as_tensor(image)[2:].flip(0).to(torch.float32)  # (W, H), a graph Shape op when exported
-        grid = (2.0 * pts + 1.0) / hw - 1.0                             # pixel centres → [-1, 1], align_corners=False
+        # pixel centres → [-1, 1] (align_corners=False); sizes stay symbolic for both exporters
+        gx = (2.0 * pts[..., :1] + 1.0) / image.shape[3] - 1.0
+        gy = (2.0 * pts[..., 1:] + 1.0) / image.shape[2] - 1.0
+        grid = torch.cat([gx, gy], -1)
         grid = grid.reshape(n, self.size, self.size, 2)
         return F.grid_sample(image.expand(n, -1, -1, -1), grid, mode="bilinear", padding_mode="border",
                              align_corners=False)

@@ -66,14 +66,11 @@ def check_graph(path: Path) -> tuple[dict[str, int], dict[str, list]]:
     return ops, shapes
 
 
-def parity(onnx_path: Path, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
-    """ONNX Runtime (CPU) vs the PyTorch reference on every feed and output: max |Δ| and per-sample cosine."""
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+def compare(run_feed, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
+    """`run_feed(feed) -> outputs` vs the reference on every feed and output: max |Δ| and per-sample cosine."""
     max_abs, cosines, n = 0.0, [], 0
     for feed, ref in zip(feeds, reference):
-        got = sess.run(None, feed)
+        got = run_feed(feed)
         n += next(iter(feed.values())).shape[0]
         for g, r in zip(got, ref):
             g2, r2 = g.reshape(len(g), -1).astype(np.float64), r.reshape(len(r), -1).astype(np.float64)
@@ -82,6 +79,14 @@ def parity(onnx_path: Path, feeds, reference: list[list[np.ndarray]]) -> dict[st
                                                             1e-30))
     cos = np.concatenate(cosines)
     return {"max_abs": max_abs, "cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "samples": n}
+
+
+def parity(onnx_path: Path, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
+    """ONNX Runtime (CPU) vs the PyTorch reference on every feed and output."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    return compare(lambda feed: sess.run(None, feed), feeds, reference)
 
 
 def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ExportResult:

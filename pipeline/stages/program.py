@@ -26,6 +26,7 @@ import torch
 from pipeline import models, paths, samples, toolchain
 from pipeline.config import Config, ModelConfig
 from pipeline.errors import GateFailed, KilnError
+from pipeline.stages.export import compare
 from pipeline.stages.golden import load_reference
 from pipeline.manifest import (atomic_dir, build_manifest, file_digests, input_ref, manifest_path, source_info,
                                write_bytes_atomic, write_manifest)
@@ -57,6 +58,18 @@ def build_model(mcfg: ModelConfig, root: Path) -> torch.nn.Module:
     return models.build(mcfg, root)
 
 
+def _widen(example: dict[str, np.ndarray], dynamic: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """torch.export specializes sizes 0 and 1: repeat each declared-dynamic axis of size 1 (P-Net's batch of one
+    pyramid level, the aligner's one face) to 2 in the example."""
+    out = {}
+    for name, v in example.items():
+        for axis in dynamic.get(name, ()):
+            if v.shape[axis] == 1:
+                v = np.repeat(v, 2, axis=axis)
+        out[name] = v
+    return out
+
+
 def export_program(model: torch.nn.Module, mcfg: ModelConfig,
                    example: dict[str, np.ndarray]) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with params `models.<name>.dynamic` as symbolic dims; everything else static.
@@ -66,6 +79,7 @@ def export_program(model: torch.nn.Module, mcfg: ModelConfig,
     silently specialize, if the model fixes a declared-dynamic size.
     """
     dynamic = tuple({a: torch.export.Dim.DYNAMIC for a in mcfg.dynamic.get(name, ())} or None for name in example)
+    example = _widen(example, mcfg.dynamic)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         try:
@@ -90,19 +104,14 @@ def aten_ops(ep: torch.export.ExportedProgram) -> dict[str, int]:
 
 def parity(ep: torch.export.ExportedProgram, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
     """The exported program vs the golden (eager PyTorch) outputs on every feed and output, as export.py does."""
-    module, max_abs, cosines, n = ep.module(), 0.0, [], 0
-    with torch.no_grad():
-        for feed, ref in zip(feeds, reference):
+    module = ep.module()
+
+    def run_feed(feed):
+        with torch.no_grad():
             y = module(*(torch.from_numpy(v) for v in feed.values()))
-            got = [t.numpy() for t in (y if isinstance(y, (tuple, list)) else (y,))]
-            n += next(iter(feed.values())).shape[0]
-            for g, r in zip(got, ref):
-                g2, r2 = g.reshape(len(g), -1).astype(np.float64), r.reshape(len(r), -1).astype(np.float64)
-                max_abs = max(max_abs, float(np.abs(g2 - r2).max()))
-                cosines.append(np.sum(g2 * r2, 1) / np.maximum(np.linalg.norm(g2, axis=1) * np.linalg.norm(r2, axis=1),
-                                                                1e-30))
-    cos = np.concatenate(cosines)
-    return {"max_abs": max_abs, "cosine_min": float(cos.min()), "cosine_mean": float(cos.mean()), "samples": n}
+        return [t.numpy() for t in (y if isinstance(y, (tuple, list)) else (y,))]
+
+    return compare(run_feed, feeds, reference)
 
 
 def bytes_in_fresh_process(params: Path, model_name: str, root: Path) -> bytes:

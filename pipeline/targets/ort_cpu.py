@@ -57,6 +57,9 @@ class OrtCpu:
         so = ort.SessionOptions()
         so.intra_op_num_threads = int(options.get("threads", 0))
         so.inter_op_num_threads = 1
+        # Idle intra-op threads spin by default; with several sessions in one process (the e2e system runs five)
+        # on 2 cores they steal each other's time. Off unless params say otherwise.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.get("spin", False) else "0")
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.log_severity_level = 3  # the hardware-specific-layout warning is expected and recorded in the manifest
         if optimized_out is None:
@@ -76,7 +79,8 @@ class OrtCpu:
         onnx_lib.save(canonicalize(onnx_lib.load(str(engine))), str(engine))  # same model → same bytes
         session = {"providers": ["CPUExecutionProvider"], "precision": options.precision,
                    "graph_optimization": options.options.get("graph_optimization", "all"),
-                   "threads": int(options.options.get("threads", 0)), "load_with_optimization": "disabled"}
+                   "threads": int(options.options.get("threads", 0)), "spin": bool(options.options.get("spin", False)),
+                   "load_with_optimization": "disabled"}
         (out / SESSION_FILE).write_text(json.dumps(session, sort_keys=True, indent=1) + "\n")
         return [engine, out / SESSION_FILE]
 
@@ -111,7 +115,8 @@ class OrtRunner:
 
         session = json.loads((engine_dir / SESSION_FILE).read_text())
         self.session = ort.InferenceSession(str(engine_dir / ENGINE_FILE),
-                                            OrtCpu._session_options({"threads": session["threads"]}),
+                                            OrtCpu._session_options({"threads": session["threads"],
+                                                                     "spin": session.get("spin", False)}),
                                             providers=session["providers"])
         self.input_name = self.session.get_inputs()[0].name
 
