@@ -230,9 +230,7 @@ def cmd_register_index(args) -> int:
 
     t0 = time.perf_counter()
     r = registry.register_index(_cfg(args), args.size)
-    state = "registered new version" if r.new else "already registered as version"
-    print(f"register-index@{args.size}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…) "
-          f"in {time.perf_counter() - t0:.2f} s → {paths.receipt(index_name(args.size))}")
+    _print_receipt(f"register-index@{args.size}", r, t0, paths.receipt(index_name(args.size)))
     return 0
 
 
@@ -298,10 +296,14 @@ def cmd_register(args) -> int:
 
     t0 = time.perf_counter()
     r = registry.register(_cfg(args), args.engine)
-    state = "registered new version" if r.new else "already registered as version"
-    print(f"register@{args.engine}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…) "
-          f"in {time.perf_counter() - t0:.2f} s → {paths.receipt(args.engine)}")
+    _print_receipt(f"register@{args.engine}", r, t0, paths.receipt(args.engine))
     return 0
+
+
+def _print_receipt(stage: str, r, t0: float, receipt: Path) -> None:
+    state = "registered new version" if r.new else "already registered as version"
+    print(f"{stage}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…) "
+          f"in {time.perf_counter() - t0:.2f} s → {receipt}")
 
 
 def _print_move(m) -> None:

@@ -406,16 +406,21 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _read_kind(mpath: Path, kind: str, name: str, stage: str) -> dict[str, Any]:
+    manifest = read_manifest(mpath)
+    if manifest.get("kind") != kind or manifest.get("name") != name:
+        raise KilnError(f"{mpath}: describes {manifest.get('kind')} {manifest.get('name')!r}, not {kind} {name!r}",
+                        f"rebuild it (dvc repro -f {stage})")
+    return manifest
+
+
 def register(cfg: Config, engine_name: str, root: Path = Path(".")) -> Receipt:
     """register@<engine>: log + register the engine once per content digest; write the receipt."""
     spec = cfg.engine(engine_name)
     root = Path(root)
     engine_dir = paths.engine(engine_name, root)
     mpath = manifest_path(engine_dir, engine_name)
-    manifest = read_manifest(mpath)
-    if manifest.get("kind") != "engine" or manifest.get("name") != engine_name:
-        raise KilnError(f"{mpath}: describes {manifest.get('kind')} {manifest.get('name')!r}, not engine {engine_name!r}",
-                        f"rebuild it (dvc repro -f compile@{engine_name})")
+    manifest = _read_kind(mpath, "engine", engine_name, f"compile@{engine_name}")
     for key in ("model", "target", "precision"):
         if manifest.get(key) != getattr(spec, key):
             raise KilnError(f"{mpath}: {key} is {manifest.get(key)!r}, params.yaml says {getattr(spec, key)!r}",
@@ -457,10 +462,7 @@ def register_index(cfg: Config, size: int, root: Path = Path(".")) -> Receipt:
     root, name = Path(root), index_name(size)
     index_dir = paths.index(name, root)
     mpath = manifest_path(index_dir, name)
-    manifest = read_manifest(mpath)
-    if manifest.get("kind") != "index" or manifest.get("name") != name:
-        raise KilnError(f"{mpath}: describes {manifest.get('kind')} {manifest.get('name')!r}, not index {name!r}",
-                        f"rebuild it (dvc repro -f match@{size})")
+    manifest = _read_kind(mpath, "index", name, f"match@{size}")
     if problems := verify_manifest(mpath):
         raise GateFailed(f"{name}: index files do not match their manifest: " + "; ".join(problems),
                          f"rebuild it (dvc repro -f match@{size}) or restore it (dvc checkout)")
