@@ -54,6 +54,11 @@ def cmd_golden(args) -> int:
     return 0
 
 
+def _print_parity(p: dict) -> None:
+    print(f"  parity vs PyTorch on {p['samples']} golden samples: max |Δ| {p['max_abs']:.2e}, "
+          f"cosine min {p['cosine_min']:.7f}")
+
+
 def cmd_export(args) -> int:
     from pipeline.stages import export
 
@@ -62,8 +67,7 @@ def cmd_export(args) -> int:
     p = result.parity
     print(f"export@{args.model}: {result.onnx_path} ({result.onnx_path.stat().st_size / 1e6:.1f} MB, "
           f"{sum(result.ops.values())} nodes) in {time.perf_counter() - t0:.1f} s")
-    print(f"  parity vs PyTorch on {p['samples']} golden samples: max |Δ| {p['max_abs']:.2e}, "
-          f"cosine min {p['cosine_min']:.7f}")
+    _print_parity(p)
     print("  ops: " + ", ".join(f"{k}×{v}" for k, v in result.ops.items()))
     return 0
 
@@ -76,8 +80,7 @@ def cmd_program(args) -> int:
     p = r.parity
     print(f"program@{args.model}: {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {sum(r.ops.values())} ATen "
           f"nodes) in {time.perf_counter() - t0:.1f} s; byte-identical in a fresh process: {r.deterministic}")
-    print(f"  parity vs PyTorch on {p['samples']} golden samples: max |Δ| {p['max_abs']:.2e}, "
-          f"cosine min {p['cosine_min']:.7f}")
+    _print_parity(p)
     return 0
 
 

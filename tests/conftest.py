@@ -31,6 +31,17 @@ def cfg() -> config.Config:
     return config.load(REPO / "params.yaml")
 
 
+def write_params(tmp: Path, mutate) -> Path:
+    """A copy of the repository's params.yaml, changed by `mutate(raw_dict)`, written into `tmp`."""
+    import yaml
+
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    mutate(raw)
+    p = tmp / "params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    return p
+
+
 def make_root(tmp: Path, assets_dir: Path) -> Path:
     """A scratch project root whose artifacts/assets is the verified assets directory."""
     (tmp / "artifacts").mkdir(parents=True, exist_ok=True)

@@ -16,17 +16,9 @@ from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
 from pipeline.stages import fingerprint, program, validate
 from pipeline.targets.aoti import BUILD_DIR, PACKAGE_FILE
-from conftest import REPO
+from conftest import REPO, write_params as _write
 
 ENGINE = "embedder-aoti-cpu-fp32"
-
-
-def _write(tmp_path, mutate):
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    mutate(raw)
-    p = tmp_path / "params.yaml"
-    p.write_text(yaml.safe_dump(raw))
-    return p
 
 
 # ---------------------------------------------------------------------------------------------- probe

@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from pipeline import cli, config
 from pipeline.errors import KilnError
-from conftest import REPO
-
-
-def _write(tmp_path, mutate):
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
-    mutate(raw)
-    p = tmp_path / "params.yaml"
-    p.write_text(yaml.safe_dump(raw))
-    return p
+from conftest import REPO, write_params as _write
 
 
 def test_repository_params_load():
