@@ -1,205 +1,332 @@
-"""params.yaml → frozen dataclasses. All validation and every user-facing configuration error lives here.
+"""params.yaml → frozen, typed configuration, validated once against one schema (pydantic).
 
-Stages receive typed, already-validated options; nothing downstream re-reads params.yaml or checks a value again.
+The typed config mirrors params.yaml one to one (`cfg.export.parity.max_abs` is `export.parity.max_abs`). Every
+section rejects unknown keys (a typo'd `graph_optimisation` is an error, not a silently ignored setting), numbers
+must be finite and in range, and every error names the file and the dotted key. Names that become paths (models,
+engines, recipes, targets) must be slugs (pipeline/paths.py). A target's own options are validated by that target
+(`pipeline.targets.options`), which `kiln dag` does for every configured target before DVC runs anything.
+
+Stages receive this typed config; nothing downstream re-reads params.yaml or checks a value again. `raw` keeps the
+file's values as DVC reads them: manifests record the exact slice each stage tracks (pipeline/stage.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
+from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, TypeAdapter,
+                      ValidationError, model_validator)
+from pydantic.dataclasses import dataclass
 
 from pipeline.errors import KilnError
+from pipeline.paths import SLUG
 
 DEFAULT_PARAMS = Path("params.yaml")
-
-
-class _Reader:
-    """Walks a nested mapping and raises one clear error naming the file and the dotted key."""
-
-    def __init__(self, source: Path, data: Any, where: str = "") -> None:
-        self.source, self.data, self.where = source, data, where
-
-    def fail(self, key: str, problem: str, hint: str) -> KilnError:
-        dotted = f"{self.where}.{key}" if self.where else key
-        return KilnError(f"{self.source}: {dotted}: {problem}", hint)
-
-    def section(self, key: str) -> "_Reader":
-        value = self.get(key, dict)
-        return _Reader(self.source, value, f"{self.where}.{key}" if self.where else key)
-
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., hint: str = "") -> Any:
-        if not isinstance(self.data, dict):
-            raise KilnError(f"{self.source}: {self.where or 'top level'} must be a mapping", "fix the YAML structure")
-        if key not in self.data:
-            if default is ...:
-                raise self.fail(key, "missing", hint or f"add `{key}:` (see the defaults in the repository's params.yaml)")
-            return default
-        value = self.data[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
-            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            raise self.fail(key, f"must be {names}, got {value!r}", hint or "fix the value in params.yaml")
-        return value
-
-    def number(self, key: str, lo: float | None = None, hi: float | None = None, default: Any = ...) -> float:
-        value = self.get(key, float, default)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise self.fail(key, f"{value} is outside [{lo}, {hi}]", "choose a value in range")
-        return value
-
-    def integer(self, key: str, lo: int | None = None, default: Any = ...) -> int:
-        value = self.get(key, int, default)
-        if lo is not None and value < lo:
-            raise self.fail(key, f"{value} must be ≥ {lo}", "choose a larger value")
-        return value
-
-
-@dataclass(frozen=True)
-class Augment:
-    max_rotation_deg: float
-    max_scale: float
-    max_shift: float
-    flip: bool
-    brightness: tuple[float, float]
-
-
-@dataclass(frozen=True)
-class SetSpec:
-    name: str
-    per_photo: int
-    seed: int
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    photos: Path
-    chip_size: int
-    template: tuple[tuple[float, float], ...]
-    min_face_size: int
-    augment: Augment
-    sets: dict[str, SetSpec]
-
-
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
+Float = Annotated[Union[StrictInt, Annotated[float, Field(strict=True)]], AfterValidator(float)]
+Fraction = Annotated[Float, Field(ge=0, le=1)]
+NonNeg = Annotated[Float, Field(ge=0)]
+Count = Annotated[StrictInt, Field(ge=1)]
+Slug = Annotated[StrictStr, Field(pattern="^" + SLUG.pattern + "$")]
 SAMPLE_KINDS = ("chips", "pnet", "rnet", "onet", "aligner")
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
-@dataclass(frozen=True)
+def frozen(cls):
+    return dataclass(frozen=True, config=_STRICT)(cls)
+
+
+# ---------------------------------------------------------------------------------------------- data
+@frozen
+class Assets:
+    dir: StrictStr
+
+
+@frozen
+class Augment:
+    max_rotation_deg: Annotated[Float, Field(ge=0, le=45)]
+    max_scale: Annotated[Float, Field(ge=0, le=0.5)]
+    max_shift: Annotated[Float, Field(ge=0, le=0.5)]
+    flip: StrictBool
+    brightness: tuple[Annotated[Float, Field(gt=0)], Annotated[Float, Field(gt=0)]]
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.brightness[0] > self.brightness[1]:
+            raise ValueError("brightness must be [low, high] with low ≤ high")
+        return self
+
+
+@frozen
+class SetSpec:
+    per_photo: Count
+    seed: Annotated[StrictInt, Field(ge=0)]
+    name: StrictStr = ""
+
+
+@frozen
+class Sets:
+    golden: SetSpec
+    calibration: SetSpec
+
+    def __getitem__(self, name: str) -> SetSpec:
+        if name not in ("golden", "calibration"):
+            raise KilnError(f"no image set named {name!r}", "use golden or calibration")
+        return getattr(self, name)
+
+
+@frozen
+class DataConfig:
+    photos: StrictStr
+    chip_size: Annotated[StrictInt, Field(ge=16)]
+    template: tuple[tuple[Float, Float], tuple[Float, Float], tuple[Float, Float], tuple[Float, Float],
+                    tuple[Float, Float]]
+    min_face_size: Annotated[StrictInt, Field(ge=12)]
+    augment: Augment
+    sets: Sets
+
+
+# ---------------------------------------------------------------------------------------------- models
+@frozen
 class ModelConfig:
-    name: str
-    factory: str          # "module:callable", called with the weights path (or nothing when weights is None)
-    weights: Path | None
-    input_shape: tuple[int, ...]         # one sample, for benchmarks (P-Net: a typical pyramid level)
-    verify_threshold: float | None       # embedders: same person when L2 < threshold
-    samples: str                         # which inputs this graph sees (pipeline/samples.py)
-    dynamic: dict[str, tuple[int, ...]]  # input name → dynamic axes in the exported ONNX
-    parity_max_abs: float | None         # overrides export.parity.max_abs for this graph's output scale
+    factory: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # "module:callable"
+    input_shape: tuple[Annotated[StrictInt, Field(gt=0)], ...]          # one sample (P-Net: a typical level)
+    weights: Optional[StrictStr] = None             # called with this path (None: a graph with no weights)
+    verify_threshold: Optional[Annotated[Float, Field(gt=0)]] = None   # embedders: same person when L2 < this
+    samples: Literal[SAMPLE_KINDS] = "chips"         # which inputs this graph sees (pipeline/samples.py)
+    dynamic: dict[StrictStr, tuple[Annotated[StrictInt, Field(ge=0)], ...]] = field(
+        default_factory=lambda: {"input": (0,)})    # input name → dynamic axes of the exported graph
+    parity_max_abs: Optional[NonNeg] = None         # overrides export.parity.max_abs for this graph's scale
+    name: StrictStr = ""
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if not self.input_shape:
+            raise ValueError("input_shape must list the sample's dimensions, e.g. [3, 150, 150]")
+        return self
+
+    @property
+    def weights_path(self) -> Path | None:
+        return None if self.weights is None else Path(self.weights)
 
 
-@dataclass(frozen=True)
+@frozen
+class Parity:
+    max_abs: NonNeg
+    min_cosine: Annotated[Float, Field(ge=-1, le=1)]
+
+
+@frozen
 class ExportConfig:
-    opset: int
-    exporter: str
-    parity_max_abs: float
-    parity_min_cosine: float
+    opset: Annotated[StrictInt, Field(ge=13, le=23)]
+    exporter: Literal["torchscript", "dynamo"]
+    parity: Parity
 
 
-@dataclass(frozen=True)
+@frozen
 class CalibrateConfig:
-    method: str           # minmax | percentile | entropy
-    percentile: float
-    bins: int
-    batch: int
+    method: Literal["minmax", "percentile", "entropy"]
+    percentile: Annotated[Float, Field(ge=90, le=100)]
+    bins: Annotated[StrictInt, Field(ge=256)]
+    batch: Count
 
 
-@dataclass(frozen=True)
+@frozen
 class Recipe:
-    name: str
-    weights: str          # s8
-    activations: str      # u8 | s8
-    per_channel: bool
-    symmetric_activations: bool
-    bias_float: bool      # leave biases in float (TensorRT form) instead of int32
+    weights: Literal["s8"]
+    activations: Literal["u8", "s8"]
+    per_channel: StrictBool
+    symmetric_activations: StrictBool
+    bias_float: StrictBool      # leave biases in float (TensorRT form) instead of int32
+    name: StrictStr = ""
 
 
-@dataclass(frozen=True)
+@frozen
+class QuantizeConfig:
+    recipes: dict[Slug, Recipe]
+    models: tuple[Slug, ...]
+
+
+@frozen
+class ProgramConfig:
+    models: tuple[Slug, ...]
+
+
+@frozen
 class TargetConfig:
-    name: str
-    enabled: bool
-    options: dict[str, Any]   # target-specific, validated by the target module
-    fallback_policy: str      # warn | fail
+    """`enabled` and `fallback_policy` here; every other key is the target's own option, validated by the target
+    (its `Options` model, pipeline/targets/)."""
+
+    enabled: StrictBool = True
+    fallback_policy: Literal["warn", "fail"] = "warn"
+    options: dict[StrictStr, Any] = field(default_factory=dict)
+    name: StrictStr = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_options(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            own = {"enabled", "fallback_policy", "name"}
+            return {**{k: v for k, v in data.items() if k in own},
+                    "options": {k: v for k, v in data.items() if k not in own}}
+        return data
 
 
-@dataclass(frozen=True)
+@frozen
 class EngineSpec:
-    name: str             # e.g. embedder-ort-cpu-int8
-    model: str
-    target: str
-    precision: str        # fp32 | fp16 | int8
-    recipe: str | None    # quantization recipe for int8
-    source: str = ""      # the artifact compiled (artifacts/export|quantized|program/…), as in dvc.yaml
+    model: Slug
+    target: Slug
+    precision: Literal[PRECISIONS]
+    source: StrictStr           # the artifact compiled (artifacts/export|quantized|program/…), as in dvc.yaml
+    recipe: Optional[Slug] = None
+    name: StrictStr = ""
 
 
-@dataclass(frozen=True)
-class ValidateConfig:
-    cosine_min: float
-    cosine_mean: float
-    l2_max: float
-    top1_agreement_min: float
-    decision_agreement_min: float
-    tar_delta_max: float
-    far_delta_max: float
-    detector: "DetectorGate"
-    aligner: "AlignerGate"
-
-
-@dataclass(frozen=True)
+# ---------------------------------------------------------------------------------------------- gates
+@frozen
 class DetectorGate:
-    box_iou_min: float           # every reference face matched by an engine face with at least this IoU
-    landmark_err_max: float      # max landmark error, as a fraction of the inter-ocular distance
-    face_agreement_min: float    # lfw_subset face / non-face decisions equal to the reference (R-/O-Net)
+    box_iou_min: Fraction           # every reference face matched by an engine face with at least this IoU
+    landmark_err_max: NonNeg        # max landmark error, as a fraction of the inter-ocular distance
+    face_agreement_min: Fraction    # lfw_subset face / non-face decisions equal to the reference (R-/O-Net)
 
 
-@dataclass(frozen=True)
+@frozen
 class AlignerGate:
-    pixel_mae_max: float         # mean |Δ| of chip pixels (0..255) vs the reference warp
-    pixel_max_abs_max: float
+    pixel_mae_max: NonNeg           # mean |Δ| of chip pixels (0..255) vs the reference warp
+    pixel_max_abs_max: NonNeg
 
 
-@dataclass(frozen=True)
+@frozen
+class ValidateConfig:
+    cosine_min: Annotated[Float, Field(ge=-1, le=1)]
+    cosine_mean: Annotated[Float, Field(ge=-1, le=1)]
+    l2_max: NonNeg
+    top1_agreement_min: Fraction
+    decision_agreement_min: Fraction
+    tar_delta_max: Fraction
+    far_delta_max: Fraction
+    detector: DetectorGate
+    aligner: AlignerGate
+
+
+@frozen
 class BenchConfig:
-    batches: tuple[int, ...]
-    warmup: int
-    min_runs: int
-    min_seconds: float
-    int8_min_speedup: float
+    batches: tuple[Annotated[StrictInt, Field(gt=0)], ...]
+    warmup: Annotated[StrictInt, Field(ge=0)]
+    min_runs: Count
+    min_seconds: NonNeg
+    int8_min_speedup: NonNeg
 
 
-@dataclass(frozen=True)
+@frozen
 class RegisterConfig:
-    experiment: str
-    sqlite_path: Path
+    experiment: Slug
+    sqlite_path: StrictStr
+    timeout_s: Annotated[Float, Field(gt=0, le=600)] = 10.0   # longest wait for an unreachable tracking server
 
 
-@dataclass(frozen=True)
-class Config:
-    source: Path
-    raw: dict[str, Any]
-    assets_dir: Path
+# ---------------------------------------------------------------------------------------------- matching
+@frozen
+class MatchTargets:
+    recall_at_1_min: Annotated[Float, Field(gt=0, le=1)]   # the choice: fastest index with recall@1 ≥ this …
+    recall_at_10_min: Fraction        # … and recall@10 ≥ this (recall@1 alone flatters IVF)
+    golden_top1_agreement_min: Fraction   # identity gate: golden queries' top-1 identity as under exact search
+    decision_agreement_min: Fraction  # identity gate: open-set decisions at the embedder's verify_threshold
+
+
+@frozen
+class Latency:
+    runs_b1: Count
+    runs_b64: Count
+    max_seconds: Annotated[Float, Field(gt=0)]   # per measurement; cuts runs short on slow (exact, 1M) indexes
+
+
+@frozen
+class MatchingConfig:
+    gallery_sizes: tuple[Annotated[StrictInt, Field(ge=1000)], ...]
+    seed: Annotated[StrictInt, Field(ge=0)]
+    queries: Count                    # noisy copies of gallery rows, golden ones first
+    threads: Count                    # FAISS OpenMP threads for builds and timed searches (IVF-PQ depends on it)
+    targets: MatchTargets
+    nlist_per_sqrt_n: Annotated[Float, Field(gt=0)]   # `{nlist}` = power of two nearest to this × sqrt(size)
+    sweep: tuple[StrictStr, ...]      # index specs (pipeline/matching/spec.py), `{nlist}` substituted
+    latency: Latency
+    max_size: dict[Literal["flat", "sq8", "hnsw", "ivf-flat", "ivf-pq"], Count] = field(default_factory=dict)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.gallery_sizes
+
+    def nlist(self, size: int) -> int:
+        return int(2 ** round(math.log2(max(1.0, self.nlist_per_sqrt_n * math.sqrt(size)))))
+
+    def specs(self, size: int) -> list:
+        """The parsed IndexSpecs of the sweep at one gallery size (kinds over their max_size left out)."""
+        from pipeline.matching.spec import IndexSpec
+
+        out = []
+        for text in self.sweep:
+            sp = IndexSpec.parse(text.replace("{nlist}", str(self.nlist(size))))
+            if size <= self.max_size.get(sp.kind, size):
+                out.append(sp)
+        return out
+
+    def check_size(self, size: int) -> int:
+        if size not in self.gallery_sizes:
+            raise KilnError(f"gallery size {size} is not in matching.gallery_sizes {list(self.gallery_sizes)}",
+                            "add it to params.yaml matching.gallery_sizes (dvc.yaml has one stage per size)")
+        return size
+
+
+# ---------------------------------------------------------------------------------------------- root
+@frozen
+class Params:
+    assets: Assets
     data: DataConfig
-    models: dict[str, ModelConfig]
+    models: dict[Slug, ModelConfig]
     export: ExportConfig
     calibrate: CalibrateConfig
-    recipes: dict[str, Recipe]
-    targets: dict[str, TargetConfig]
-    engines: dict[str, EngineSpec]
+    quantize: QuantizeConfig
+    program: ProgramConfig
+    targets: dict[Slug, TargetConfig]
+    engines: dict[Slug, EngineSpec]
     validate: ValidateConfig
     bench: BenchConfig
     register: RegisterConfig
-    matching: "MatchingConfig | None" = None   # None when params.yaml has no matching: section
+    matching: MatchingConfig
+
+
+class Config:
+    """The validated parameters (`Params`' sections as attributes) plus the file they came from and its raw
+    values. Frozen: build another with `replace(**sections)` (tests), never by mutation."""
+
+    def __init__(self, source: Path, raw: dict[str, Any], params: Params) -> None:
+        object.__setattr__(self, "source", Path(source))
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "params", params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.params, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Config is frozen; use replace()")
+
+    def replace(self, **sections: Any) -> "Config":
+        import dataclasses
+
+        return Config(self.source, self.raw, dataclasses.replace(self.params, **sections))
+
+    @property
+    def assets_dir(self) -> Path:
+        return Path(self.params.assets.dir)
+
+    @property
+    def recipes(self) -> dict[str, Recipe]:
+        return self.params.quantize.recipes
 
     def engine(self, name: str) -> EngineSpec:
         if name not in self.engines:
@@ -217,258 +344,159 @@ class Config:
         return self.models[name]
 
     def section(self, *keys: str) -> Any:
-        """The raw values of one section, for the params hash recorded in manifests."""
+        """The raw values of one section, as DVC reads them."""
         value: Any = self.raw
         for k in keys:
             value = value[k]
         return value
 
 
-def _pairs(r: _Reader, key: str, n: int | None = None) -> tuple[tuple[float, float], ...]:
-    value = r.get(key, list)
-    ok = all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p) for p in value)
-    if not ok or (n is not None and len(value) != n):
-        raise r.fail(key, f"must be a list of {n or 'N'} [x, y] pairs", "e.g. [[46.4, 44.1], ...]")
-    return tuple((float(x), float(y)) for x, y in value)
-
-
-def _data(r: _Reader) -> DataConfig:
-    a = r.section("augment")
-    bright = a.get("brightness", list)
-    if len(bright) != 2 or not all(isinstance(v, (int, float)) for v in bright) or not 0 < bright[0] <= bright[1]:
-        raise a.fail("brightness", f"must be [low, high] with 0 < low ≤ high, got {bright!r}", "e.g. [0.75, 1.25]")
-    augment = Augment(a.number("max_rotation_deg", 0, 45), a.number("max_scale", 0, 0.5),
-                      a.number("max_shift", 0, 0.5), a.get("flip", bool), (float(bright[0]), float(bright[1])))
-    s = r.section("sets")
-    sets = {}
-    for name in ("golden", "calibration"):
-        spec = s.section(name)
-        sets[name] = SetSpec(name, spec.integer("per_photo", 1), spec.integer("seed", 0))
-    return DataConfig(Path(r.get("photos", str)), r.integer("chip_size", 16), _pairs(r, "template", 5),
-                      r.integer("min_face_size", 12), augment, sets)
-
-
-def _model(name: str, r: _Reader) -> ModelConfig:
-    factory = r.get("factory", str)
-    if ":" not in factory:
-        raise r.fail("factory", f"{factory!r} is not 'module:callable'", "e.g. pipeline.models.dlib_resnet:build_embedder")
-    shape = r.get("input_shape", list)
-    if not shape or not all(isinstance(v, int) and v > 0 for v in shape):
-        raise r.fail("input_shape", f"must be positive integers (C, H, W), got {shape!r}", "e.g. [3, 150, 150]")
-    samples = r.get("samples", str, "chips")
-    if samples not in SAMPLE_KINDS:
-        raise r.fail("samples", f"unknown kind {samples!r}", f"use one of {', '.join(SAMPLE_KINDS)}")
-    dynamic = r.get("dynamic", dict, {"input": [0]})
-    if not all(isinstance(k, str) and isinstance(v, list) and all(isinstance(a, int) and a >= 0 for a in v)
-               for k, v in dynamic.items()):
-        raise r.fail("dynamic", f"must map input names to lists of axes, got {dynamic!r}", "e.g. {input: [0, 2, 3]}")
-    weights = r.get("weights", (str, type(None)), None)
-    threshold = r.number("verify_threshold", 0, default=None) if "verify_threshold" in r.data else None
-    parity = r.number("parity_max_abs", 0, default=None) if "parity_max_abs" in r.data else None
-    return ModelConfig(name, factory, None if weights is None else Path(weights), tuple(shape), threshold, samples,
-                       {k: tuple(v) for k, v in dynamic.items()}, parity)
-
-
-def _export(r: _Reader) -> ExportConfig:
-    exporter = r.get("exporter", str)
-    if exporter not in ("torchscript", "dynamo"):
-        raise r.fail("exporter", f"unknown exporter {exporter!r}", "use torchscript or dynamo")
-    opset = r.integer("opset", 17)
-    p = r.section("parity")
-    return ExportConfig(opset, exporter, p.number("max_abs", 0), p.number("min_cosine", -1, 1))
-
-
-def _calibrate(r: _Reader) -> CalibrateConfig:
-    method = r.get("method", str)
-    if method not in ("minmax", "percentile", "entropy"):
-        raise r.fail("method", f"unknown calibration method {method!r}", "use minmax, percentile or entropy")
-    return CalibrateConfig(method, r.number("percentile", 90, 100), r.integer("bins", 128), r.integer("batch", 1))
-
-
-def _recipes(r: _Reader) -> dict[str, Recipe]:
-    out = {}
-    for name in r.data:
-        q = r.section(name)
-        w, a = q.get("weights", str), q.get("activations", str)
-        if w != "s8":
-            raise q.fail("weights", f"{w!r} is not supported", "use s8 (signed 8-bit weights)")
-        if a not in ("u8", "s8"):
-            raise q.fail("activations", f"{a!r} is not supported", "use u8 or s8")
-        out[name] = Recipe(name, w, a, q.get("per_channel", bool), q.get("symmetric_activations", bool),
-                           q.get("bias_float", bool))
-    return out
-
-
-def _targets(r: _Reader) -> dict[str, TargetConfig]:
-    out = {}
-    for name in r.data:
-        t = r.section(name)
-        policy = t.get("fallback_policy", str, "warn")
-        if policy not in ("warn", "fail"):
-            raise t.fail("fallback_policy", f"unknown policy {policy!r}", "use warn or fail")
-        options = {k: v for k, v in t.data.items() if k not in ("enabled", "fallback_policy")}
-        out[name] = TargetConfig(name, t.get("enabled", bool, True), options, policy)
-    return out
-
-
-def _engines(r: _Reader, models: dict, recipes: dict, targets: dict,
-             program_models: tuple[str, ...] = ()) -> dict[str, EngineSpec]:
-    out = {}
-    for name in r.data:
-        e = r.section(name)
-        model, target, precision = e.get("model", str), e.get("target", str), e.get("precision", str)
-        recipe = e.get("recipe", str, None)
-        if model not in models:
-            raise e.fail("model", f"no model named {model!r}", f"known models: {', '.join(sorted(models))}")
-        if target not in targets:
-            raise e.fail("target", f"no target named {target!r}", f"configure it under targets: ({', '.join(targets)})")
-        if precision not in ("fp32", "fp16", "int8"):
-            raise e.fail("precision", f"unknown precision {precision!r}", "use fp32, fp16 or int8")
-        if precision == "int8" and recipe not in recipes:
-            raise e.fail("recipe", f"int8 needs a quantization recipe, got {recipe!r}",
-                         f"name one of quantize.recipes: {', '.join(sorted(recipes))}")
-        if "onnx" in e.data:
-            raise e.fail("onnx", "the key is now `source:` (the artifact compiled: ONNX or torch.export program)",
-                         f"rename `onnx:` to `source:` in engines.{name}")
-        source, kind = e.get("source", str).rstrip("/"), source_kind(target)
-        if kind == "program":
-            if precision != "fp32":
-                raise e.fail("precision", f"{target} compiles the FP32 torch.export program; {precision} is not built",
-                             "use precision: fp32 for this target")
-            if model not in program_models:
-                raise e.fail("model", f"{model!r} has no torch.export program: it is not in program.models",
-                             f"add {model} to program.models in params.yaml")
-            expected = f"artifacts/program/{model}"
-        else:
-            expected = f"artifacts/quantized/{model}-{recipe}" if precision == "int8" else f"artifacts/export/{model}"
-        if source != expected:
-            raise e.fail("source", f"{source!r} is not the artifact a {precision} {target} engine of {model!r} "
-                         "compiles", f"set it to {expected}")
-        out[name] = EngineSpec(name, model, target, precision, recipe if precision == "int8" else None, expected)
-    return out
-
-
+# ---------------------------------------------------------------------------------------------- cross-checks
 def source_kind(target: str) -> str:
     """What a target compiles: "onnx" (artifacts/export, artifacts/quantized) or "program" (artifacts/program).
 
-    Declared by the target class (`source_kind`); a target configured but not registered is taken as ONNX."""
+    Read from the target registry without importing the target's module."""
+    from pipeline.targets import source_kind as kind
+
+    return kind(target)
+
+
+def expected_source(e: EngineSpec) -> str:
+    if source_kind(e.target) == "program":
+        return f"artifacts/program/{e.model}"
+    return f"artifacts/quantized/{e.model}-{e.recipe}" if e.precision == "int8" else f"artifacts/export/{e.model}"
+
+
+def _cross_check(p: Params) -> list[tuple[str, str, str]]:
+    """(dotted key, problem, hint) for every reference between sections that does not resolve."""
     from pipeline.targets import TARGETS
 
-    return getattr(TARGETS.get(target), "source_kind", "onnx")
-
-
-def _program_models(r: _Reader, models: dict) -> tuple[str, ...]:
-    """params `program.models`: the models whose torch.export program is saved (program@<model>)."""
-    if not isinstance(r.data, dict) or "program" not in r.data:
-        return ()
-    p = r.section("program")
-    names = p.get("models", list)
-    unknown = [m for m in names if m not in models]
-    if unknown or not all(isinstance(m, str) for m in names):
-        raise p.fail("models", f"unknown models {unknown or names!r}", f"known models: {', '.join(sorted(models))}")
-    return tuple(names)
-
-
-def _validate(r: _Reader) -> ValidateConfig:
-    d, a = r.section("detector"), r.section("aligner")
-    return ValidateConfig(r.number("cosine_min", -1, 1), r.number("cosine_mean", -1, 1), r.number("l2_max", 0),
-                          r.number("top1_agreement_min", 0, 1), r.number("decision_agreement_min", 0, 1),
-                          r.number("tar_delta_max", 0, 1), r.number("far_delta_max", 0, 1),
-                          DetectorGate(d.number("box_iou_min", 0, 1), d.number("landmark_err_max", 0),
-                                       d.number("face_agreement_min", 0, 1)),
-                          AlignerGate(a.number("pixel_mae_max", 0), a.number("pixel_max_abs_max", 0)))
-
-
-def _bench(r: _Reader) -> BenchConfig:
-    batches = r.get("batches", list)
-    if not batches or not all(isinstance(b, int) and b > 0 for b in batches):
-        raise r.fail("batches", f"must be positive integers, got {batches!r}", "e.g. [1, 8]")
-    return BenchConfig(tuple(batches), r.integer("warmup", 0), r.integer("min_runs", 1), r.number("min_seconds", 0),
-                       r.number("int8_min_speedup", 0))
-
-
-@dataclass(frozen=True)
-class MatchingConfig:
-    """params.yaml `matching:` — gallery sizes, the FAISS index sweep, and the targets the choice must meet."""
-
-    sizes: tuple[int, ...]            # gallery sizes; one gallery@ / match@ / register-index@ stage each
-    seed: int                         # distractors, queries, training samples
-    queries: int                      # recall / latency queries (noisy copies of gallery rows, golden ones first)
-    threads: int                      # FAISS OpenMP threads for builds and timed searches (recorded: IVF-PQ depends)
-    recall_at_1_min: float            # the choice: cheapest index with recall@1 ≥ this …
-    recall_at_10_min: float           # … and recall@10 ≥ this (recall@1 alone flatters IVF on near-duplicate queries)
-    golden_top1_agreement_min: float  # identity gate: golden-identity queries' top-1 label as under exact search
-    decision_agreement_min: float     # identity gate: open-set decisions (all queries) at verify_threshold
-    nlist_per_sqrt_n: float           # `{nlist}` in the sweep = power of two nearest to this × sqrt(size)
-    max_size: dict[str, int]          # index kinds left out above this gallery size
-    sweep: tuple[str, ...]            # index spec templates (pipeline/matching/index.py), `{nlist}` substituted
-    runs_b1: int
-    runs_b64: int
-    max_seconds: float                # per latency measurement; cuts runs short on slow (exact, 1M) indexes
-
-    def nlist(self, size: int) -> int:
-        import math
-
-        return int(2 ** round(math.log2(max(1.0, self.nlist_per_sqrt_n * math.sqrt(size)))))
-
-    def specs(self, size: int) -> list:
-        """The parsed IndexSpecs of the sweep at one gallery size (kinds over their max_size left out)."""
-        from pipeline.matching.index import IndexSpec
-
-        out = []
-        for text in self.sweep:
-            sp = IndexSpec.parse(text.replace("{nlist}", str(self.nlist(size))))
-            if size <= self.max_size.get(sp.kind, size):
-                out.append(sp)
-        return out
-
-    def check_size(self, size: int) -> int:
-        if size not in self.sizes:
-            raise KilnError(f"gallery size {size} is not in matching.gallery_sizes {list(self.sizes)}",
-                            "add it to params.yaml matching.gallery_sizes (dvc.yaml builds one stage per size)")
-        return size
-
-
-def _matching(r: _Reader) -> MatchingConfig | None:
-    if not isinstance(r.data, dict) or "matching" not in r.data:
-        return None
-    m = r.section("matching")
-    sizes = m.get("gallery_sizes", list)
-    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1000 for s in sizes) \
-            or len(set(sizes)) != len(sizes):
-        raise m.fail("gallery_sizes", f"must be distinct integers ≥ 1000, got {sizes!r}", "e.g. [10000, 100000, 1000000]")
-    t = m.section("targets")
-    r1 = t.get("recall_at_1_min", float)
-    if not 0 < r1 <= 1:
-        raise t.fail("recall_at_1_min", f"{r1} is outside (0, 1]; recall@1 can never exceed 1.0",
-                     "set a fraction such as 0.99 (1.0 demands exact search: keep `flat` in the sweep)")
-    sweep = m.get("sweep", list)
-    if not sweep or not all(isinstance(s, str) for s in sweep):
-        raise m.fail("sweep", f"must be a non-empty list of index specs, got {sweep!r}",
-                     'e.g. [flat, sq8, "ivf-flat:nlist={nlist},nprobe=8"]')
-    max_size = m.get("max_size", dict, {})
-    if not set(max_size) <= {"flat", "sq8", "hnsw", "ivf-flat", "ivf-pq"} or \
-            not all(isinstance(v, int) and v > 0 for v in max_size.values()):
-        raise m.fail("max_size", f"must map index kinds to positive sizes, got {max_size!r}", "e.g. {hnsw: 100000}")
-    lat = m.section("latency")
-    cfg = MatchingConfig(tuple(sizes), m.integer("seed", 0), m.integer("queries", 64), m.integer("threads", 1), r1,
-                         t.number("recall_at_10_min", 0, 1), t.number("golden_top1_agreement_min", 0, 1),
-                         t.number("decision_agreement_min", 0, 1), m.number("nlist_per_sqrt_n", 0.01),
-                         dict(max_size), tuple(sweep), lat.integer("runs_b1", 1), lat.integer("runs_b64", 1),
-                         lat.number("max_seconds", 0.01))
-    for size in cfg.sizes:
+    bad: list[tuple[str, str, str]] = []
+    models, recipes = set(p.models), set(p.quantize.recipes)
+    for name, t in p.targets.items():
+        if name not in TARGETS:
+            bad.append((f"targets.{name}", "unknown target", f"known targets: {', '.join(sorted(TARGETS))}"))
+    for key in ("quantize", "program"):
+        for m in getattr(p, key).models:
+            if m not in models:
+                bad.append((f"{key}.models", f"no model named {m!r}", f"known models: {', '.join(sorted(models))}"))
+    for name, m in p.models.items():
+        if m.samples == "chips" and m.verify_threshold is None:
+            bad.append((f"models.{name}.verify_threshold", "an embedder (samples: chips) needs its threshold",
+                        "e.g. verify_threshold: 0.6 (same person when L2 < 0.6)"))
+    for name, e in p.engines.items():
+        where = f"engines.{name}"
+        if e.model not in models:
+            bad.append((f"{where}.model", f"no model named {e.model!r}", f"known models: {', '.join(sorted(models))}"))
+            continue
+        if e.target not in p.targets or e.target not in TARGETS:
+            bad.append((f"{where}.target", f"no target named {e.target!r}",
+                        f"configure it under targets: ({', '.join(p.targets)})"))
+            continue
+        if e.precision == "int8" and e.recipe not in recipes:
+            bad.append((f"{where}.recipe", f"int8 needs a quantization recipe, got {e.recipe!r}",
+                        f"name one of quantize.recipes: {', '.join(sorted(recipes))}"))
+            continue
+        if e.precision != "int8" and e.recipe is not None:
+            bad.append((f"{where}.recipe", f"only int8 engines take a recipe ({e.precision} given)", "drop `recipe:`"))
+            continue
+        if e.precision == "int8" and e.model not in p.quantize.models:
+            bad.append((f"{where}.model", f"{e.model!r} is not quantized (quantize.models)",
+                        f"add {e.model} to quantize.models"))
+            continue
+        if source_kind(e.target) == "program":
+            if e.precision != "fp32":
+                bad.append((f"{where}.precision", f"{e.target} compiles the FP32 torch.export program; "
+                            f"{e.precision} is not built", "use precision: fp32 for this target"))
+                continue
+            if e.model not in p.program.models:
+                bad.append((f"{where}.model", f"{e.model!r} has no torch.export program (program.models)",
+                            f"add {e.model} to program.models"))
+                continue
+        if e.source.rstrip("/") != (want := expected_source(e)):
+            bad.append((f"{where}.source", f"{e.source!r} is not the artifact a {e.precision} {e.target} engine of "
+                        f"{e.model!r} compiles", f"set it to {want}"))
+    for size in p.matching.gallery_sizes:
         try:
-            specs = cfg.specs(size)
-        except KilnError as e:
-            raise m.fail("sweep", e.message, e.hint) from None
+            specs = p.matching.specs(size)
+        except KilnError as err:
+            bad.append(("matching.sweep", err.message, err.hint))
+            break
+        if not specs:
+            bad.append(("matching.sweep", f"no index of the sweep is built at gallery size {size} (max_size)",
+                        "keep at least one kind (flat or ivf-flat) without a max_size"))
         for sp in specs:
             if "nlist" in sp.p and 39 * sp.p["nlist"] > size:
-                raise m.fail("sweep", f"{sp.name} at gallery size {size}: {sp.p['nlist']} lists need ≥ "
-                             f"{39 * sp.p['nlist']} training vectors", "lower nlist or nlist_per_sqrt_n")
-        if not specs:
-            raise m.fail("sweep", f"no index of the sweep is built at gallery size {size} (max_size)",
-                         "keep at least one kind (flat or ivf-flat) without a max_size")
-    return cfg
+                bad.append(("matching.sweep", f"{sp.name} at gallery size {size}: {sp.p['nlist']} lists need ≥ "
+                            f"{39 * sp.p['nlist']} training vectors", "lower nlist or nlist_per_sqrt_n"))
+    if len(set(p.matching.gallery_sizes)) != len(p.matching.gallery_sizes):
+        bad.append(("matching.gallery_sizes", "sizes must be distinct", "drop the repeated size"))
+    if "embedder" not in p.models:
+        bad.append(("models", "the face system needs an `embedder` model", "see the repository's params.yaml"))
+    return bad
+
+
+def _named(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Give every model / recipe / target / engine / image set its own name (the key it is listed under)."""
+    out = dict(raw)
+
+    def name_all(section: Any, where: str) -> Any:
+        if not isinstance(section, dict):
+            return section
+        named = {}
+        for k, v in section.items():
+            if isinstance(v, dict):
+                if "name" in v:
+                    raise KilnError(f"{path}: {where}.{k}.name: unknown key", "the name is the key it is listed under")
+                v = {**v, "name": k}
+            named[k] = v
+        return named
+
+    for key in ("models", "targets", "engines"):
+        if key in out:
+            out[key] = name_all(out[key], key)
+    if isinstance(out.get("quantize"), dict) and "recipes" in out["quantize"]:
+        out["quantize"] = {**out["quantize"], "recipes": name_all(out["quantize"]["recipes"], "quantize.recipes")}
+    if isinstance(out.get("data"), dict) and isinstance(out["data"].get("sets"), dict):
+        out["data"] = {**out["data"], "sets": name_all(out["data"]["sets"], "data.sets")}
+    return out
+
+
+_UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
+_MISSING = ("missing", "missing_argument")
+
+
+def _key_path(loc: tuple) -> tuple[str, ...]:
+    """The user's key path: without the member tags pydantic adds inside unions and validators."""
+    return tuple(str(x) for x in loc if not (isinstance(x, str) and (x in ("int", "float", "str", "bool", "none")
+                                                                     or "[" in x or x.startswith("function-"))))
+
+
+def _first_error(path: Path, e: ValidationError) -> KilnError:
+    """One clear line for the most useful error: unknown keys first (with the likely intended key), then the rest;
+    a value that fails both branches of a number union reports the float branch's reason."""
+    import difflib
+
+    errors = e.errors()
+    errors.sort(key=lambda er: (er["type"] not in _UNKNOWN, er["type"] in _MISSING))
+    err = next((er for er in errors if str(er["loc"][-1]).startswith("float")), errors[0]) \
+        if errors[0]["type"] not in _UNKNOWN else errors[0]
+    loc = _key_path(err["loc"])
+    dotted = ".".join(loc) or "top level"
+    kind, value = err["type"], err.get("input")
+    if kind in _UNKNOWN:
+        missing = [_key_path(er["loc"])[-1] for er in errors if er["type"] in _MISSING
+                   and _key_path(er["loc"])[:-1] == loc[:-1]]
+        close = difflib.get_close_matches(loc[-1], missing, n=1) if loc else []
+        hint = f"did you mean `{close[0]}`?" if close else "check the spelling against the repository's params.yaml"
+        return KilnError(f"{path}: {dotted}: unknown key", hint)
+    if kind in _MISSING:
+        return KilnError(f"{path}: {dotted}: missing", f"add `{loc[-1]}:` (see the repository's params.yaml)")
+    if kind == "string_pattern_mismatch" and SLUG.pattern in str(err.get("ctx", {}).get("pattern", "")):
+        return KilnError(f"{path}: {dotted}: {value!r} is not a valid name",
+                         "names become paths: use 1-64 letters, digits, '-' or '_', starting with a letter or digit")
+    shown = "a mapping" if isinstance(value, dict) else repr(value)
+    return KilnError(f"{path}: {dotted}: {err['msg'].rstrip('.')} (got {shown})", "fix the value in params.yaml")
 
 
 def load(path: Path = DEFAULT_PARAMS) -> Config:
@@ -479,17 +507,13 @@ def load(path: Path = DEFAULT_PARAMS) -> Config:
         raise KilnError(f"{path}: not found", "run kiln from the repository root, or pass --params PATH") from None
     except yaml.YAMLError as e:
         raise KilnError(f"{path}: invalid YAML: {e}".splitlines()[0], "fix the YAML syntax") from None
-    r = _Reader(path, raw)
     if not isinstance(raw, dict):
         raise KilnError(f"{path}: must be a mapping of sections", "see the repository's params.yaml")
-    models_r = r.section("models")
-    models = {name: _model(name, models_r.section(name)) for name in models_r.data}
-    recipes = _recipes(r.section("quantize").section("recipes"))
-    targets = _targets(r.section("targets"))
-    reg = r.section("register")
-    return Config(path, raw, Path(r.section("assets").get("dir", str)), _data(r.section("data")), models,
-                  _export(r.section("export")), _calibrate(r.section("calibrate")), recipes, targets,
-                  _engines(r.section("engines"), models, recipes, targets, _program_models(r, models)),
-                  _validate(r.section("validate")),
-                  _bench(r.section("bench")), RegisterConfig(reg.get("experiment", str), Path(reg.get("sqlite_path", str))),
-                  _matching(r))
+    try:
+        params = TypeAdapter(Params).validate_python(_named(raw, path))
+    except ValidationError as e:
+        raise _first_error(path, e) from None
+    if bad := _cross_check(params):
+        key, problem, hint = bad[0]
+        raise KilnError(f"{path}: {key}: {problem}", hint)
+    return Config(path, raw, params)

@@ -1,69 +1,121 @@
-"""Where each stage's artifacts live (dvc.yaml declares the same paths as outs)."""
+"""Where each stage's artifacts live, and the one rule for names that become paths.
+
+dvc.yaml is generated from the same functions (pipeline/dag.py), so a stage's declared outs are these paths.
+
+Every name that becomes a path component (model, engine, recipe, target, release, gallery size) must be a slug:
+1-64 characters from letters, digits, '-' and '_', starting with a letter or digit. So no name can be empty,
+`.`/`..`, hold a separator or a dot, and every path built here stays under `<root>/artifacts`.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from pipeline.errors import KilnError
+
 ARTIFACTS = Path("artifacts")
+SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+PROGRAM_FILE = "program.pt2"     # in program/<model>/
+ONNX_FILE = "model.onnx"         # in export/<model>/ and quantized/<model>-<recipe>/
+VALIDATION_FILE = "validation.json"
+BENCH_FILE = "bench.json"
+
+
+def is_slug(name: object) -> bool:
+    return isinstance(name, str) and SLUG.fullmatch(name) is not None
+
+
+def slug(name: object, what: str = "name") -> str:
+    """`name` if it is a safe path component, else a KilnError naming it."""
+    if not is_slug(name):
+        raise KilnError(f"{what} {name!r} is not a valid name",
+                        "use 1-64 letters, digits, '-' or '_', starting with a letter or digit (no '/', '.', spaces)")
+    return name  # type: ignore[return-value]
+
+
+def _under(root: Path, *parts: str) -> Path:
+    return Path(root) / ARTIFACTS / Path(*parts)
 
 
 def data_set(name: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "data" / name
+    return _under(root, "data", slug(name, "image set"))
 
 
 def golden(model: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "golden" / model
+    return _under(root, "golden", slug(model, "model"))
 
 
 def export(model: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "export" / model
-
-
-def mtcnn_weights(assets_dir: Path) -> tuple[Path, Path, Path]:
-    return tuple(Path(assets_dir) / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet"))
+    return _under(root, "export", slug(model, "model"))
 
 
 def program(model: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "program" / model
+    return _under(root, "program", slug(model, "model"))
 
 
 def calibration(model: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "calibration" / model
+    return _under(root, "calibration", slug(model, "model"))
 
 
 def quantized(model: str, recipe: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "quantized" / f"{model}-{recipe}"
+    return _under(root, "quantized", f"{slug(model, 'model')}-{slug(recipe, 'recipe')}")
+
+
+def toolchain_dir(root: Path = Path(".")) -> Path:
+    return _under(root, "toolchain")
 
 
 def toolchain_file(target: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "toolchain" / f"{target}.yaml"
+    return toolchain_dir(root) / f"{slug(target, 'target')}.yaml"
 
 
 def engine(name: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "engines" / name
+    return _under(root, "engines", slug(name, "engine"))
 
 
 def validation(name: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "validation" / name
+    return _under(root, "validation", slug(name, "engine"))
 
 
 def bench(model: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "bench" / model
+    return _under(root, "bench", slug(model, "model"))
 
 
 def receipt(name: str, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "registry" / f"{name}.json"
+    return _under(root, "registry", slug(name, "registered name"))
+
+
+def gallery_name(size: int) -> str:
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise KilnError(f"gallery size {size!r} is not a positive integer", "e.g. 10000")
+    return f"gallery-{size}"
 
 
 def gallery(size: int, root: Path = Path(".")) -> Path:
-    return root / ARTIFACTS / "gallery" / str(size)
+    gallery_name(size)  # validates the size
+    return _under(root, "gallery", str(size))
 
 
-def index(name: str, root: Path = Path(".")) -> Path:
-    """The chosen FAISS index of a gallery (name `gallery-<size>`): index.faiss + manifest."""
-    return root / ARTIFACTS / "index" / name
+def index(size: int, root: Path = Path(".")) -> Path:
+    """The chosen FAISS index of a gallery: index.faiss + manifest."""
+    return _under(root, "index", gallery_name(size))
 
 
-def matching(name: str, root: Path = Path(".")) -> Path:
-    """The index choice's gate verdict (validation.json); its curve is `matching/<name>.curve.json`."""
-    return root / ARTIFACTS / "matching" / name
+def matching(size: int, root: Path = Path(".")) -> Path:
+    """The index choice's verdict (validation.json + manifest); the timed curve is `matching/<name>.curve.json`."""
+    return _under(root, "matching", gallery_name(size))
+
+
+def curve(size: int, root: Path = Path(".")) -> Path:
+    return _under(root, "matching", f"{gallery_name(size)}.curve.json")
+
+
+def reports(root: Path = Path(".")) -> Path:
+    return _under(root, "reports")
+
+
+def records(root: Path = Path(".")) -> Path:
+    """Per-run records (commit, host, timings): beside the DVC outputs, never inside one, never cached."""
+    return _under(root, "records")
