@@ -9,7 +9,6 @@ no network. The output directory is assembled in a temporary sibling and renamed
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -78,7 +77,9 @@ ARCHIVES: tuple[Archive, ...] = (
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln")) / "archives"
+    from pipeline.toolchain import kiln_cache
+
+    return kiln_cache() / "archives"
 
 
 def fetch_archive(archive: Archive, cache: Path) -> Path:
@@ -147,17 +148,3 @@ def describe() -> list[dict[str, object]]:
     """The pins, for the manifest's build section."""
     return [{"requirement": a.requirement, "archive": a.filename, "archive_sha256": a.sha256, "license": a.license,
              "members": [m.dest for m in a.members]} for a in ARCHIVES]
-
-
-
-def run(out: Path, root: Path = Path("."), progress=print) -> Path:
-    """The `assets` stage: materialize every pin into `out` and write `assets.manifest.json` beside the files."""
-    from pipeline import toolchain
-    from pipeline.manifest import atomic_dir, build_manifest, source_info, write_manifest
-
-    with atomic_dir(out) as d:  # a failed or killed download leaves the previous directory (or none), never half
-        files = materialize(d, progress=progress)
-        write_manifest(d, build_manifest(kind="assets", name="assets", directory=d, files=files, inputs=[],
-                                         toolchain=toolchain.versions("pip"), build={"pins": describe()},
-                                         source=source_info(root, describe())))
-    return out / "assets.manifest.json"

@@ -1,7 +1,7 @@
 """Image sets (golden, calibration): aligned face chips with identity labels, built deterministically.
 
 Photos come from `<root>/<identity>/<image>`. Each photo's five landmarks come from the caller (`Landmarker`):
-the pipeline passes the system's own MTCNN detector; tests may pass a fixed table. Chip k = 0 of a photo is the
+the pipeline passes the system's own MTCNN detector. Chip k = 0 of a photo is the
 plain aligned face; chips k ≥ 1 are jittered (rotation, zoom/crop, shift, horizontal flip, brightness) from a
 generator seeded by (set seed, photo index, k), so a set is a pure function of photos + landmarks + parameters.
 
@@ -59,12 +59,32 @@ def list_photos(root: Path) -> list[Photo]:
     return photos
 
 
-def load_rgb(path: Path) -> np.ndarray:
-    """An image file as HWC uint8 RGB, EXIF orientation applied. A corrupt or non-image file is a KilnError."""
+MAX_SIDE = 4096                 # larger photos are downscaled on decode (JPEG: by the decoder itself)
+MAX_PIXELS = 100_000_000        # beyond this a photo is refused before it is decoded (decompression bombs)
+
+
+def load_rgb(path: Path, max_side: int = MAX_SIDE) -> np.ndarray:
+    """An image file as HWC uint8 RGB, EXIF orientation applied, longest side at most `max_side` (downscaled
+    deterministically). A corrupt, non-image or oversized file is a KilnError naming the file."""
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # PIL raises DecompressionBombError past 2x this: refuse earlier, below
     try:
         with Image.open(path) as im:
-            return np.asarray(ImageOps.exif_transpose(im).convert("RGB"))
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+            w, h = im.size
+            if w * h > MAX_PIXELS:
+                raise KilnError(f"{path}: {w}×{h} pixels is too large (limit {MAX_PIXELS // 1_000_000} MP)",
+                                f"downscale it (longest side ≤ {max_side} is plenty for face detection)")
+            if max(w, h) > max_side:   # JPEG decodes at 1/2, 1/4 or 1/8 to a size in [max_side/2, max_side]:
+                im.draft("RGB", (max_side // 2, max_side // 2))  # never a full-size buffer
+            im = ImageOps.exif_transpose(im).convert("RGB")
+            if max(im.size) > max_side:
+                im.thumbnail((max_side, max_side), Image.Resampling.BOX)
+            return np.asarray(im)
+    except KilnError:
+        raise
+    except Image.DecompressionBombError as e:      # PIL's own refusal, beyond twice the limit: header only
+        raise KilnError(f"{path}: too large ({e})".replace(" could be decompression bomb DOS attack.", ""),
+                        f"downscale it (longest side ≤ {max_side} is plenty for face detection)") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise KilnError(f"{path}: not a readable image ({e.__class__.__name__}: {e})",
                         "replace or remove the file; supported: JPEG, PNG, BMP, WebP") from None
 
@@ -129,12 +149,12 @@ def load_set(directory: Path) -> ImageSet:
         chips = np.load(directory / "chips.npy", allow_pickle=False)
     except FileNotFoundError as e:
         raise KilnError(f"{directory}: image set incomplete ({Path(e.filename).name} missing)",
-                        "rebuild it: dvc repro data") from None
+                        "rebuild it: dvc repro dataset") from None
     labels = np.asarray(index["labels"], np.int64)
     digest = xxh3_128_hex(chips.tobytes() + canonical_json([index["identities"], labels.tolist()]))
     if digest != index["content_xxh3_128"]:
         raise KilnError(f"{directory}: chips do not match the content hash in index.json",
-                        "the set was modified; rebuild it: dvc repro -f data")
+                        "the set was modified; rebuild it: dvc repro -f dataset")
     return ImageSet(chips, labels, tuple(index["identities"]), index)
 
 

@@ -1,8 +1,33 @@
-"""Face-task comparison of two sets of embeddings (numpy only, so GPU-side scripts can import it as is)."""
+"""Face-task comparison of two sets of embeddings, and the embedder gate on it (numpy only, so GPU-side scripts can
+import it as is and apply the same limits, params.yaml `validate:`)."""
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import numpy as np
+
+# metric, comparison, limit key in params.yaml `validate:`
+EMBEDDER_GATE = (("cosine_min", ">=", "cosine_min"), ("cosine_mean", ">=", "cosine_mean"), ("l2_max", "<=", "l2_max"),
+                 ("top1_agreement", ">=", "top1_agreement_min"),
+                 ("decision_agreement", ">=", "decision_agreement_min"),
+                 ("tar_delta", "<=", "tar_delta_max"), ("far_delta", "<=", "far_delta_max"))
+
+
+def check(m: Mapping[str, float], checks, limits: Mapping[str, Any]) -> list[str]:
+    """One failure line per (metric, op, limit key) not met; a NaN metric never passes."""
+    out = []
+    for k, op, key in checks:
+        lim = limits[key]
+        ok = m[k] >= lim if op == ">=" else m[k] <= lim
+        if not ok:
+            out.append(f"{k} {m[k]:.6g} (limit {op} {lim:g})")
+    return out
+
+
+def gate(m: Mapping[str, float], limits: Mapping[str, Any]) -> list[str]:
+    """The embedder gate: `limits` is params.yaml's `validate:` section."""
+    return check(m, EMBEDDER_GATE, limits)
 
 
 def _pairwise(e: np.ndarray) -> np.ndarray:

@@ -1,13 +1,14 @@
 """The artifact manifest: the one schema that flows through Kiln.
 
-Every artifact directory holds `<name>.manifest.json` beside its files. A manifest has two halves:
+Every artifact directory holds `<name>.manifest.json` beside its files. A manifest is the artifact's *identity* and
+nothing else: its files (bytes, xxh3-128, sha256), its inputs (by their manifests' identity digests), the digests of
+the code that ran (the stage's module closure, the same files dvc.yaml lists as its deps), the parameter slice it
+read, the toolchain versions that are its rebuild keys, build options and results that are pure functions of all of
+that. Rebuilding the same inputs with the same code gives byte-identical manifests, wherever the checkout is.
 
-* identity fields (`kind, model, target, precision, files, inputs, toolchain, build, source`, plus stage-specific
-  results that are a pure function of the inputs, e.g. export parity) — they make the artifact, and rebuilding
-  the same inputs with the same code gives byte-identical identity fields;
-* `record` — what one run observed (wall times, host name). It is excluded from `identity_digest`.
-
-Inputs are referenced by the identity digest of their manifest, so a chain of manifests is a hash chain from any
+What one run observed — git commit and dirty state, host, CPU model, times — is a *record*, written beside the
+DVC outputs under artifacts/records/ (never cached, never inside an output; pipeline/edge.py writes it), and
+carried into MLflow at registration. Inputs referenced by digest make every manifest chain a hash chain from any
 engine back to the weights, the data, the parameters, the code and the toolchain that made it.
 """
 
@@ -17,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,7 +27,7 @@ import xxhash
 
 from pipeline.errors import KilnError
 
-SCHEMA = "kiln.manifest/1"
+SCHEMA = "kiln.manifest/2"
 SUFFIX = ".manifest.json"
 _CHUNK = 1 << 20
 
@@ -39,15 +39,19 @@ def _umask() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- hashing
-def file_digests(path: Path) -> dict[str, Any]:
+def file_digests(path: Path, sha256: bool = True) -> dict[str, Any]:
     """bytes, xxh3-128 (fast content id) and sha256 (tamper evidence) of one file, in one read."""
-    xx, sha, size = xxhash.xxh3_128(), hashlib.sha256(), 0
+    xx, sha, size = xxhash.xxh3_128(), hashlib.sha256() if sha256 else None, 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             xx.update(chunk)
-            sha.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
             size += len(chunk)
-    return {"bytes": size, "xxh3_128": xx.hexdigest(), "sha256": sha.hexdigest()}
+    out: dict[str, Any] = {"bytes": size, "xxh3_128": xx.hexdigest()}
+    if sha is not None:
+        out["sha256"] = sha.hexdigest()
+    return out
 
 
 def sha256_file(path: Path) -> str:
@@ -76,7 +80,8 @@ def atomic_path(dest: Path) -> Iterator[Path]:
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    _clear_dead_temps(dest)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -90,15 +95,37 @@ def atomic_path(dest: Path) -> Iterator[Path]:
         raise
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clear_dead_temps(dest: Path) -> None:
+    """Remove temporary siblings of `dest` left by a writer that was killed (its pid is in the name)."""
+    for old in dest.parent.glob(f".{dest.name}.*.tmp"):
+        parts = old.name[len(dest.name) + 2:].split(".")
+        if parts and parts[0].isdigit() and not _alive(int(parts[0])):
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+
+
 @contextmanager
 def atomic_dir(dest: Path) -> Iterator[Path]:
-    """Yield an empty temporary sibling directory; on success it replaces `dest` whole, on error it is removed."""
+    """Yield an empty temporary sibling directory; on success it replaces `dest` whole, on error it is removed.
+    A sibling left by a killed writer (its pid is dead) is removed first."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    _clear_dead_temps(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
+        if dest.is_symlink() or dest.is_file():
+            dest.unlink()
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -117,61 +144,52 @@ def write_bytes_atomic(dest: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
+
+
 def write_json_atomic(dest: Path, obj: Any) -> None:
-    write_bytes_atomic(dest, json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n")
-
-
-# ---------------------------------------------------------------------------------------------- source
-def _git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def source_info(repo: Path, params: Any) -> dict[str, Any]:
-    """git commit + dirty flag of the code that built an artifact, and the hash of the parameters it used.
-
-    `dvc.lock` and DVC outputs change while a pipeline runs, so they do not count as dirty.
-    """
-    try:
-        commit = _git("rev-parse", "HEAD", cwd=repo)
-        status = _git("status", "--porcelain", "--untracked-files=no", cwd=repo)
-        dirty = any(not line[3:].startswith(("dvc.lock", "artifacts/")) for line in status.splitlines())
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        commit, dirty = "unknown", True
-    return {"git_commit": commit, "dirty": dirty, "params_sha256": params_digest(params)}
+    write_bytes_atomic(dest, json_bytes(obj))
 
 
 # ---------------------------------------------------------------------------------------------- manifest
-IDENTITY_KEYS = ("schema", "kind", "name", "model", "target", "precision", "files", "inputs", "toolchain",
-                 "build", "source", "results")
-
-
 def manifest_path(directory: Path, name: str) -> Path:
     return Path(directory) / f"{name}{SUFFIX}"
 
 
 def input_ref(role: str, manifest_file: Path, root: Path) -> dict[str, str]:
-    """Reference an upstream artifact by its manifest's identity digest."""
-    m = read_manifest(manifest_file)
+    """Reference an upstream artifact by its manifest's identity digest (after checking its files)."""
+    m = read_verified(manifest_file, fast=True)
     return {"role": role, "manifest": Path(os.path.relpath(manifest_file, root)).as_posix(),
             "xxh3_128": identity_digest(m)}
 
 
+def file_input(role: str, path: Path, root: Path) -> dict[str, Any]:
+    """Reference a plain input file (weights, photos) by its path under the root and its digests."""
+    return {"role": role, "path": Path(os.path.relpath(path, root)).as_posix(), **file_digests(Path(path))}
+
+
 def identity_digest(manifest: dict[str, Any]) -> str:
-    return xxh3_128_hex(canonical_json({k: manifest.get(k) for k in IDENTITY_KEYS}))
+    return xxh3_128_hex(canonical_json(manifest))
 
 
-def build_manifest(*, kind: str, name: str, directory: Path, files: list[Path], inputs: list[dict[str, str]],
-                   toolchain: dict[str, Any], build: dict[str, Any], source: dict[str, Any],
+def build_manifest(*, kind: str, name: str, directory: Path, files: list[Path], inputs: list[dict[str, Any]],
+                   toolchain: dict[str, Any], build: dict[str, Any], code: dict[str, str], params: dict[str, Any],
                    results: dict[str, Any] | None = None, model: str | None = None, target: str | None = None,
-                   precision: str | None = None, record: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Assemble a manifest; file paths are stored relative to the manifest's directory, sorted."""
+                   precision: str | None = None) -> dict[str, Any]:
+    """Assemble a manifest; file paths are stored relative to the manifest's directory, sorted.
+
+    `code` maps each module of the stage's closure to its xxh3-128 (pipeline/dag.py); `params` is the slice of
+    params.yaml the stage tracks, by dotted key.
+    """
     entries = []
     for f in sorted(files, key=lambda p: Path(p).as_posix()):
         rel = Path(os.path.relpath(f, directory)).as_posix()
         entries.append({"path": rel, **file_digests(Path(f))})
     return {"schema": SCHEMA, "kind": kind, "name": name, "model": model, "target": target,
-            "precision": precision, "files": entries, "inputs": inputs, "toolchain": toolchain, "build": build,
-            "source": source, "results": results or {}, "record": record or {}}
+            "precision": precision, "files": entries, "inputs": inputs, "code": dict(sorted(code.items())),
+            "params": {"sha256": params_digest(params), "values": params}, "toolchain": toolchain,
+            "build": build, "results": results or {}}
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
@@ -190,39 +208,68 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise KilnError(f"{path}: not a valid manifest ({e})", "rebuild the artifact (dvc repro -f <stage>)") from None
     if not isinstance(m, dict) or m.get("schema") != SCHEMA:
         raise KilnError(f"{path}: not a Kiln manifest (schema {m.get('schema') if isinstance(m, dict) else None!r})",
-                        f"expected schema {SCHEMA!r}")
+                        f"expected schema {SCHEMA!r}; rebuild the artifact (dvc repro -f <stage>)")
+    if not isinstance(m.get("files"), list) or not isinstance(m.get("inputs"), list):
+        raise KilnError(f"{path}: manifest has no files/inputs lists", "rebuild the artifact (dvc repro -f <stage>)")
     return m
 
 
-def verify_manifest(path: Path, root: Path | None = None) -> list[str]:
+def check_files(path: Path, manifest: dict[str, Any], fast: bool = False) -> list[str]:
+    """Each file's size and hashes against the manifest (fast: size + xxh3-128 only); mismatches, empty = OK."""
+    problems: list[str] = []
+    base = Path(path).parent.resolve()
+    for entry in manifest["files"]:
+        rel = entry.get("path", "")
+        f = (base / rel).resolve()
+        if Path(rel).is_absolute() or base not in f.parents:
+            problems.append(f"{rel}: file path leaves the manifest's directory")
+            continue
+        if not f.is_file():
+            problems.append(f"{Path(path).parent / rel}: missing")
+            continue
+        actual = file_digests(f, sha256=not fast)
+        for key in ("bytes", "xxh3_128") if fast else ("bytes", "xxh3_128", "sha256"):
+            if actual[key] != entry.get(key):
+                problems.append(f"{Path(path).parent / rel}: {key} is {actual[key]}, manifest says {entry.get(key)}")
+    return problems
+
+
+def verify_manifest(path: Path, root: Path | None = None, fast: bool = False) -> list[str]:
     """Recompute every file's size and hashes and every input's digest; return the mismatches (empty = OK)."""
     path = Path(path)
     m = read_manifest(path)
-    problems: list[str] = []
-    for entry in m["files"]:
-        f = path.parent / entry["path"]
-        if not f.is_file():
-            problems.append(f"{f}: missing")
-            continue
-        actual = file_digests(f)
-        for key in ("bytes", "xxh3_128", "sha256"):
-            if actual[key] != entry[key]:
-                problems.append(f"{f}: {key} is {actual[key]}, manifest says {entry[key]}")
+    problems = check_files(path, m, fast)
     if root is not None:
         for ref in m["inputs"]:
-            if "manifest" not in ref:
-                continue
-            upstream = Path(root) / ref["manifest"]
-            if not upstream.is_file():
-                problems.append(f"{upstream}: input manifest missing")
-            elif (d := identity_digest(read_manifest(upstream))) != ref["xxh3_128"]:
-                problems.append(f"{upstream}: input changed since {m['name']} was built "
-                                f"(digest {d}, recorded {ref['xxh3_128']})")
+            if "manifest" in ref:
+                upstream = Path(root) / ref["manifest"]
+                if not upstream.is_file():
+                    problems.append(f"{upstream}: input manifest missing")
+                elif (d := identity_digest(read_manifest(upstream))) != ref["xxh3_128"]:
+                    problems.append(f"{upstream}: input changed since {m['name']} was built "
+                                    f"(digest {d}, recorded {ref['xxh3_128']})")
+            elif "path" in ref:
+                f = Path(root) / ref["path"]
+                if not f.is_file():
+                    problems.append(f"{f}: input file missing")
+                elif file_digests(f, sha256=False)["xxh3_128"] != ref.get("xxh3_128"):
+                    problems.append(f"{f}: input file changed since {m['name']} was built")
     return problems
+
+
+def read_verified(path: Path, fast: bool = False, hint: str = "") -> dict[str, Any]:
+    """Read a manifest and check its files before anything uses them: a changed input is an error, not an input."""
+    m = read_manifest(path)
+    if problems := check_files(path, m, fast):
+        raise KilnError(f"{path}: files do not match their manifest: " + "; ".join(problems[:3]),
+                        hint or "the artifact was modified after it was built; rebuild it (dvc repro -f <stage>) "
+                                "or restore it (dvc checkout)")
+    return m
 
 
 def find_manifests(path: Path) -> list[Path]:
     path = Path(path)
     if path.is_file():
         return [path]
-    return sorted(path.rglob(f"*{SUFFIX}"))
+    return sorted(p for p in path.rglob(f"*{SUFFIX}")
+                  if not any(part.startswith(".") for part in p.relative_to(path).parts))  # temp dirs of a live stage

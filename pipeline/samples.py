@@ -2,82 +2,131 @@
 
 Each graph of the face system sees different inputs, so each model names its `samples` kind in params.yaml:
 
-* `chips`   the embedder: batches of aligned 150×150 chips from the golden / calibration image set;
+* `chips`   the embedder: batches of aligned chips from the golden / calibration image set (artifacts/data/<set>);
 * `pnet`, `rnet`, `onet`: exactly what that MTCNN net sees when the reference (PyTorch) detector runs on the
-  set's photos — every pyramid level for P-Net, the candidate crops for R- and O-Net — captured by wrapping the
-  reference nets. The calibration set adds deterministic brightness and mirror variants of each photo;
+  photos — every pyramid level for P-Net, the candidate crops for R- and O-Net — captured by wrapping the
+  reference nets. The calibration set adds deterministic darker, brighter and mirrored variants of each photo;
 * `aligner`: one feed per photo: the image and the chip transforms of its detected faces.
 
-Feeds are a pure function of the photos, weights and parameters, so stages regenerate them instead of storing
-them; manifests record their digest.
+Feeds are a pure function of the photos, the reference detector's weights and parameters, so stages regenerate
+them instead of storing them; `deps()` and `params()` say exactly what they read (dvc.yaml tracks those), and
+manifests record their digest. `stream()` yields them without holding a set in memory: chips are converted batch by
+batch; detector feeds are captured photo by photo (memory: one photo's inputs) and R-/O-Net crops re-batched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from pipeline import paths
-from pipeline.config import Config
 from pipeline.data import list_photos, load_rgb, load_set, to_nchw
 from pipeline.errors import KilnError
-from pipeline.manifest import xxh3_128_hex
+from pipeline.manifest import file_input, input_ref, manifest_path, xxh3_128_hex
 
 Feed = dict[str, np.ndarray]
 CHIP_BATCH = 8
 NETS = ("pnet", "rnet", "onet")
 
 
-def _photo_variants(cfg: Config, set_name: str, root: Path) -> list[np.ndarray]:
-    images = [load_rgb(p.path) for p in list_photos(root / cfg.data.photos)]
-    if set_name == "golden":
-        return images
-    out = []
-    for img in images:  # calibration: the photo, darker, brighter, mirrored
-        f = img.astype(np.float32)
-        out += [img, np.clip(f * 0.7, 0, 255).astype(np.uint8), np.clip(f * 1.25, 0, 255).astype(np.uint8),
-                np.ascontiguousarray(img[:, ::-1])]
-    return out
+# ---------------------------------------------------------------------------------------------- what feeds read
+def reference_weights(cfg) -> list[Path]:
+    """The reference detector's weights: models.pnet/rnet/onet.weights (relative to the project root)."""
+    missing = [n for n in NETS if n not in cfg.models or cfg.models[n].weights is None]
+    if missing:
+        raise KilnError(f"{cfg.source}: models: the reference detector needs {', '.join(missing)} with weights",
+                        "keep the MTCNN nets in params.yaml models: (they landmark the image sets)")
+    return [Path(cfg.models[n].weights) for n in NETS]
 
 
-def detector_feeds(cfg: Config, set_name: str, root: Path) -> dict[str, list[Feed]]:
-    """Run the reference detector over the set's photos, recording every input each net receives."""
+def deps(cfg, model: str | None, set_name: str) -> list[str]:
+    """Paths the feeds of `model` on `set_name` read (None: the reference detector on the photos)."""
+    if model is not None and cfg.model(model).samples == "chips":
+        return [paths.data_set(set_name).as_posix()]
+    return [Path(cfg.data.photos).as_posix(), *(w.as_posix() for w in reference_weights(cfg))]
+
+
+def params(cfg, model: str | None) -> list[str]:
+    """params.yaml keys the feeds depend on (chips: none here — the image set's own stage tracks them)."""
+    if model is not None and cfg.model(model).samples == "chips":
+        return []
+    keys = ["data.photos", "data.min_face_size"]
+    return keys + ["data.template"] if model is not None and cfg.model(model).samples == "aligner" else keys
+
+
+def inputs(cfg, model: str, set_name: str, root: Path) -> list[dict]:
+    """Manifest input references for the feeds: the image set's manifest, or the photos and detector weights."""
+    if cfg.model(model).samples == "chips":
+        d = paths.data_set(set_name, root)
+        return [input_ref(f"{set_name}_set", manifest_path(d, set_name), root)]
+    photos = [file_input("photo", p.path, root) for p in list_photos(root / cfg.data.photos)]
+    return photos + [file_input("detector_weights", root / w, root) for w in reference_weights(cfg)]
+
+
+# ---------------------------------------------------------------------------------------------- feeds
+def _photo_variants(cfg, set_name: str, root: Path) -> Iterator[np.ndarray]:
+    for p in list_photos(root / cfg.data.photos):
+        img = load_rgb(p.path)
+        yield img
+        if set_name == "calibration":   # the photo, darker, brighter, mirrored
+            f = img.astype(np.float32)
+            yield np.clip(f * 0.7, 0, 255).astype(np.uint8)
+            yield np.clip(f * 1.25, 0, 255).astype(np.uint8)
+            yield np.ascontiguousarray(img[:, ::-1])
+
+
+def _reference(cfg, root: Path):
     from pipeline.models import mtcnn
 
-    nets = mtcnn.load_nets(*paths.mtcnn_weights(root / cfg.assets_dir))
-    captured: dict[str, list[Feed]] = {n: [] for n in NETS}
+    return mtcnn.load_nets(*(root / w for w in reference_weights(cfg))), \
+        mtcnn.DetectorConfig(min_face_size=cfg.data.min_face_size)
 
-    def recorder(name, net):
-        run = mtcnn.torch_runner(net)
 
-        def record(x: np.ndarray):
-            captured[name].append({"input": np.ascontiguousarray(x, np.float32)})
-            return run(x)
-        return record
+def _detector_feeds(cfg, kind: str, set_name: str, root: Path) -> Iterator[list[Feed]]:
+    """Per photo variant: every input net `kind` receives while the reference detector runs on it."""
+    from pipeline.models import mtcnn
 
-    runners = [recorder(n, net) for n, net in zip(NETS, nets)]
-    det_cfg = mtcnn.DetectorConfig(min_face_size=cfg.data.min_face_size)
+    nets, det_cfg = _reference(cfg, root)
+    k = NETS.index(kind)
     for rgb in _photo_variants(cfg, set_name, root):
+        captured: list[Feed] = []
+        run = mtcnn.torch_runner(nets[k])
+
+        def record(x: np.ndarray, run=run, captured=captured):
+            captured.append({"input": np.ascontiguousarray(x, np.float32)})
+            return run(x)
+
+        runners = list(nets)
+        runners[k] = record
         mtcnn.detect(rgb, *runners, det_cfg)
-    return captured
+        yield captured
 
 
-def aligner_feeds(cfg: Config, set_name: str, root: Path) -> list[Feed]:
+def _aligner_feeds(cfg, set_name: str, root: Path) -> Iterator[list[Feed]]:
     from pipeline.models import mtcnn
     from pipeline.models.align import chip_transform
 
-    nets = mtcnn.load_nets(*paths.mtcnn_weights(root / cfg.assets_dir))
-    det_cfg = mtcnn.DetectorConfig(min_face_size=cfg.data.min_face_size)
+    nets, det_cfg = _reference(cfg, root)
     template = np.asarray(cfg.data.template)
-    feeds = []
     for rgb in _photo_variants(cfg, set_name, root):
         faces = mtcnn.detect(rgb, *nets, det_cfg)
         if faces:
             theta = np.stack([chip_transform(f.landmarks, template) for f in faces])
-            feeds.append({"image": np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32), "theta": theta})
-    return feeds
+            yield [{"image": np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32), "theta": theta}]
+        else:
+            yield []
+
+
+def _rebatch(per_photo: Iterator[list[Feed]], batch: int) -> Iterator[Feed]:
+    """R-/O-Net crops (same shape) joined or split into feeds of `batch` samples, photo by photo."""
+    for feeds in per_photo:
+        if not feeds:
+            continue
+        x = np.concatenate([f["input"] for f in feeds])
+        for i in range(0, len(x), batch):
+            yield {"input": x[i:i + batch]}
 
 
 class ChipFeeds(Sequence):
@@ -95,32 +144,54 @@ class ChipFeeds(Sequence):
         return {"input": to_nchw(self.chips[i * self.batch:(i + 1) * self.batch])}
 
 
-def feeds(cfg: Config, model_name: str, set_name: str, root: Path = Path("."),
-          batch: int = CHIP_BATCH) -> Sequence[Feed]:
-    kind = cfg.model(model_name).samples
+class Stream:
+    """Re-iterable feeds of one model on one set, `batch` samples at a time where the graph allows it (P-Net
+    levels differ in size and the aligner takes one photo per feed, so those stay one feed per level / photo)."""
+
+    def __init__(self, cfg, model: str, set_name: str, root: Path, batch: int) -> None:
+        self.cfg, self.kind, self.set_name, self.root, self.batch = cfg, cfg.model(model).samples, set_name, root, batch
+        self.model = model
+
+    def __iter__(self) -> Iterator[Feed]:
+        if self.kind == "chips":
+            yield from ChipFeeds(load_set(paths.data_set(self.set_name, self.root)).chips, self.batch)
+        elif self.kind == "pnet":
+            for feeds in _detector_feeds(self.cfg, "pnet", self.set_name, self.root):
+                yield from feeds
+        elif self.kind in NETS:
+            yield from _rebatch(_detector_feeds(self.cfg, self.kind, self.set_name, self.root), self.batch)
+        elif self.kind == "aligner":
+            for feeds in _aligner_feeds(self.cfg, self.set_name, self.root):
+                yield from feeds
+        else:  # config.py validates the kind; this guards a new kind added there but not here
+            raise KilnError(f"models.{self.model}.samples: no feed builder for {self.kind!r}",
+                            "see pipeline/samples.py")
+
+
+def stream(cfg, model: str, set_name: str, root: Path = Path("."), batch: int = CHIP_BATCH) -> Stream:
+    return Stream(cfg, model, set_name, root, batch)
+
+
+def feeds(cfg, model: str, set_name: str, root: Path = Path("."), batch: int = CHIP_BATCH) -> Sequence[Feed]:
+    """The feeds as a sequence (chips stay lazy; detector feeds of the small golden photo set are held)."""
+    kind = cfg.model(model).samples
     if kind == "chips":
         return ChipFeeds(load_set(paths.data_set(set_name, root)).chips, batch)
-    if kind in NETS:
-        out = detector_feeds(cfg, set_name, root)[kind]
-    elif kind == "aligner":
-        out = aligner_feeds(cfg, set_name, root)
-    else:  # config.py validates the kind; this guards a new kind added there but not here
-        raise KilnError(f"models.{model_name}.samples: no feed builder for {kind!r}", "see pipeline/samples.py")
+    out = list(stream(cfg, model, set_name, root, batch))
     if not out:
-        raise KilnError(f"{model_name}: the {set_name} photos gave no inputs for this graph",
+        raise KilnError(f"{model}: the {set_name} photos gave no inputs for this graph",
                         "check data.photos: the reference detector must find faces in them")
     return out
 
 
-def digest(feeds_: list[Feed]) -> str:
+def digest(feeds_) -> str:
     """One content hash over every feed, for manifests."""
-    parts = []
+    h = []
     for f in feeds_:
         for name in sorted(f):
-            parts.append(name.encode() + str(f[name].shape).encode() + f[name].tobytes())
-    return xxh3_128_hex(b"".join(parts))
+            h.append(name.encode() + str(f[name].shape).encode() + f[name].tobytes())
+    return xxh3_128_hex(b"".join(h))
 
 
-def sample_count(feeds_: list[Feed]) -> int:
+def sample_count(feeds_) -> int:
     return int(sum(next(iter(f.values())).shape[0] for f in feeds_))
-

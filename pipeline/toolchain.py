@@ -1,7 +1,13 @@
-"""What built an artifact: package versions, Python, CPU model and ISA flags that change kernels."""
+"""What built an artifact: package versions (identity) and the host it ran on (record).
+
+Versions of the packages a stage imports are rebuild keys, so they go into manifests; the Python version counts as
+major.minor. The CPU's ISA flags select different kernels in ONNX Runtime, oneDNN and Inductor, so targets that
+compile for this CPU make them rebuild keys too. The CPU's model name and the host name are only recorded.
+"""
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from functools import lru_cache
@@ -15,6 +21,7 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "a
 
 @lru_cache(maxsize=None)
 def cpu() -> dict[str, object]:
+    """The CPU model (record), its kernel-selecting ISA flags and the machine type (rebuild keys)."""
     model, flags = platform.processor() or "unknown", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -30,16 +37,28 @@ def cpu() -> dict[str, object]:
 
 
 def version(package: str) -> str:
+    """An installed distribution's version, read from its metadata (no import), or "absent"."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "absent"
 
 
+def python_version() -> str:
+    return "{}.{}".format(*sys.version_info[:2])
+
+
 def versions(*packages: str) -> dict[str, str]:
-    return {"python": ".".join(map(str, sys.version_info[:3])), **{p: version(p) for p in packages}}
+    """The toolchain section of a manifest: Python major.minor and the named distributions' versions."""
+    return {"python": python_version(), **{p: version(p) for p in sorted(packages)}}
 
 
-def describe(*packages: str) -> dict[str, object]:
-    """The toolchain section of a manifest: versions of the named packages plus the CPU."""
-    return {**versions(*packages), **cpu()}
+def host() -> dict[str, object]:
+    """Where a run happened: for records, never for identity."""
+    return {"host": platform.node(), "cpu": cpu()["cpu"], "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def kiln_cache() -> Path:
+    """Kiln's cache outside the checkout: verified archives, probe results (`$KILN_CACHE`, default ~/.cache/kiln)."""
+    return Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))

@@ -1,15 +1,9 @@
-"""FAISS indexes for the matching stage: build by spec, search, recall against exact search, latency, bytes, choice.
+"""FAISS indexes for the matching stage: build by spec, search, recall against exact search, latency, bytes.
 
-Spec strings (also the `<kind>` of `index@<kind>-<size>`):
-    flat                                  exact IndexFlatL2
-    hnsw:M=32,ef=64                       IndexHNSWFlat, efSearch
-    ivf-flat:nlist=256,nprobe=16          IndexIVFFlat
-    ivf-pq:nlist=256,m=16,nbits=8,nprobe=16
-    sq8                                   IndexScalarQuantizer QT_8bit
-
-Determinism: training vectors are a seeded, sorted sample of the gallery (its ids' and bytes' hash is recorded);
-FAISS k-means seeds are fixed; thread count is fixed with omp_set_num_threads; HNSW is built single-threaded
-because its parallel insertion order is not deterministic.
+Specs are parsed by pipeline/matching/spec.py (no FAISS needed to read params). Determinism: training vectors are a
+seeded, sorted sample of the gallery (its ids' and bytes' hash is recorded); FAISS k-means seeds are fixed; the
+thread count is fixed with omp_set_num_threads (params `matching.threads`); HNSW is built single-threaded because
+its parallel insertion order is not deterministic.
 """
 
 from __future__ import annotations
@@ -21,15 +15,9 @@ import numpy as np
 import xxhash
 
 from pipeline.errors import KilnError
+from pipeline.matching.spec import IndexSpec, spec
 
 SEED = 1234
-THREADS = 2
-THRESHOLD = 0.6   # dlib verification threshold (L2); params.yaml models.embedder.verify_threshold
-
-_KINDS = {"flat": (), "sq8": (), "hnsw": ("M", "ef"), "ivf-flat": ("nlist", "nprobe"),
-          "ivf-pq": ("nlist", "m", "nbits", "nprobe")}
-_DEFAULTS = {"hnsw": {"M": 32, "ef": 64}, "ivf-flat": {"nlist": 256, "nprobe": 16},
-             "ivf-pq": {"nlist": 256, "m": 16, "nbits": 8, "nprobe": 16}}
 
 
 def _faiss():
@@ -37,46 +25,7 @@ def _faiss():
     return faiss
 
 
-@dataclass(frozen=True)
-class IndexSpec:
-    kind: str
-    params: tuple[tuple[str, int], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> "IndexSpec":
-        kind, _, rest = text.strip().lower().partition(":")
-        if kind not in _KINDS:
-            raise KilnError(f"unknown index kind {kind!r} in {text!r}", hint=f"use one of {', '.join(_KINDS)}")
-        params = dict(_DEFAULTS.get(kind, {}))
-        for item in filter(None, (p.strip() for p in rest.split(","))):
-            k, eq, v = item.partition("=")
-            key = next((n for n in _KINDS[kind] if n.lower() == k.strip().lower()), None)
-            if not eq or key is None:
-                raise KilnError(f"bad index parameter {item!r} in {text!r}",
-                                hint=f"{kind} takes {', '.join(_KINDS[kind]) or 'no parameters'} as key=int")
-            try:
-                params[key] = int(v)
-            except ValueError:
-                raise KilnError(f"index parameter {item!r} in {text!r} is not an integer") from None
-        return cls(kind, tuple((k, params[k]) for k in _KINDS[kind]))
-
-    @property
-    def p(self) -> dict[str, int]:
-        return dict(self.params)
-
-    @property
-    def name(self) -> str:
-        return self.kind + (":" + ",".join(f"{k}={v}" for k, v in self.params) if self.params else "")
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def spec(s: "str | IndexSpec") -> IndexSpec:
-    return s if isinstance(s, IndexSpec) else IndexSpec.parse(s)
-
-
-def configure(threads: int = THREADS) -> None:
+def configure(threads: int) -> None:
     """Fixed thread count, and BLAS for batched exact search (faiss 1.15 only uses it from 128000 queries)."""
     faiss = _faiss()
     faiss.omp_set_num_threads(int(threads))
@@ -100,7 +49,7 @@ class Built:
     info: dict = field(default_factory=dict)
 
 
-def build(s: "str | IndexSpec", vectors: np.ndarray, seed: int = SEED, threads: int = THREADS,
+def build(s: "str | IndexSpec", vectors: np.ndarray, threads: int, seed: int = SEED,
           train_size: int | None = None) -> Built:
     """Build (train if needed, add all vectors) one index. Search-time knobs (efSearch, nprobe) are set too."""
     faiss = _faiss()
@@ -161,8 +110,12 @@ def index_bytes(index) -> int:
     return int(_faiss().serialize_index(index).nbytes)
 
 
-def index_hash(index) -> str:
-    return xxhash.xxh3_128(_faiss().serialize_index(index).tobytes()).hexdigest()
+def serialize(index) -> bytes:
+    return _faiss().serialize_index(index).tobytes()
+
+
+def deserialize(data: bytes):
+    return _faiss().deserialize_index(np.frombuffer(data, np.uint8))
 
 
 def search(index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -266,7 +219,7 @@ def scan_fraction(n: int, d: int, p50_ms: float, bw_gbps: float) -> float:
 
 def identity_gate(exact_ids: np.ndarray, approx_ids: np.ndarray, labels: np.ndarray, query_labels: np.ndarray,
                   exact_dist: np.ndarray | None = None, approx_dist: np.ndarray | None = None,
-                  threshold: float = THRESHOLD) -> dict[str, float]:
+                  threshold: float | None = None) -> dict[str, float]:
     """Face-task agreement of an approximate index with exact search.
 
     top1_identity_agreement: the top-1's label (−1 for a distractor) is the same under both searches.
@@ -279,39 +232,9 @@ def identity_gate(exact_ids: np.ndarray, approx_ids: np.ndarray, labels: np.ndar
     out = {"top1_identity_agreement": float((le == la).mean()),
            "top1_accuracy_exact": float((le == query_labels).mean()),
            "top1_accuracy_approx": float((la == query_labels).mean()), "queries": int(len(le))}
-    if exact_dist is not None and approx_dist is not None:
+    if exact_dist is not None and approx_dist is not None and threshold is not None:
         ae, aa = np.asarray(exact_dist)[:, 0] < threshold, np.asarray(approx_dist)[:, 0] < threshold
         de, da = np.where(ae, le, -2), np.where(aa, la, -2)
         out.update(decision_agreement=float((de == da).mean()), accept_rate_exact=float(ae.mean()),
                    accept_rate_approx=float(aa.mean()), threshold=float(threshold))
     return out
-
-
-def choose(curve: list[dict], recall_target: float) -> dict:
-    """The cheapest row meeting recall@1 >= recall_target: lowest p50 at batch 1, then fewest bytes.
-
-    Each row needs "index", "recall@1", "p50_ms_b1" and "bytes".
-    """
-    if not 0 < recall_target <= 1:
-        raise KilnError(f"recall target {recall_target} is outside (0, 1]; recall@1 can never exceed 1.0",
-                        hint="set the matching recall target to a fraction such as 0.99")
-    ok = [r for r in curve if r["recall@1"] >= recall_target]
-    if not ok:
-        best = max(curve, key=lambda r: r["recall@1"], default=None)
-        got = f"; the best was {best['index']} at recall@1 {best['recall@1']:.4f}" if best else " (no indexes given)"
-        raise KilnError(f"no index reaches recall@1 >= {recall_target}{got}",
-                        hint="add a more exhaustive index (flat, or higher efSearch / nprobe) to the sweep, "
-                             "or lower the recall target")
-    return min(ok, key=lambda r: (r["p50_ms_b1"], r["bytes"]))
-
-
-def evaluate(built: Built, queries: np.ndarray, exact_ids: np.ndarray, k: int = 10, runs_b1: int = 200,
-             runs_b64: int = 20) -> dict:
-    """One row of the speed/recall curve."""
-    _, ids = search(built.index, queries, k)
-    b1 = search_latency(built.index, queries, 1, runs_b1, k)
-    b64 = search_latency(built.index, queries, 64, runs_b64, k)
-    return {"index": built.spec.name, "build_s": built.build_s, "bytes": index_bytes(built.index),
-            "recall@1": recall_at_k(exact_ids, ids, 1), "recall@10": recall_at_k(exact_ids, ids, min(10, k)),
-            "p50_ms_b1": b1["p50_ms"], "p99_ms_b1": b1["p99_ms"], "p50_ms_b64": b64["p50_ms"],
-            "p99_ms_b64": b64["p99_ms"], "train_xxh3_128": built.train_xxh3_128}

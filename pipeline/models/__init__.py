@@ -14,6 +14,16 @@ if TYPE_CHECKING:  # keep `import pipeline.models.<x>` free of yaml/config for G
     from pipeline.config import ModelConfig
 
 
+def factory_module(mcfg: "ModelConfig") -> str:
+    """The module a model's factory lives in (a stage that builds the model depends on its code)."""
+    return mcfg.factory.partition(":")[0]
+
+
+def weight_deps(mcfg: "ModelConfig") -> list[str]:
+    """The model's own weights file, as a dependency path (none for a graph without learned weights)."""
+    return [] if mcfg.weights is None else [Path(mcfg.weights).as_posix()]
+
+
 def build(cfg: "ModelConfig", root: Path = Path(".")) -> "torch.nn.Module":
     """Instantiate a model in eval mode from its params.yaml entry; `weights` is relative to the project root."""
     module_name, _, attr = cfg.factory.partition(":")

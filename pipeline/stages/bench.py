@@ -1,17 +1,17 @@
-"""bench@<model>: latency, throughput, cold start and peak memory of every engine of a model, side by side.
+"""bench@<model>: latency, throughput, cold start and memory of every engine of a model, side by side.
 
 All engines of the model and the PyTorch eager model ("the model just runs") are measured in one process,
-interleaved in rounds so machine noise hits them alike; ratios come from that one run. Cold start (session
-creation + first inference) and peak RSS are measured in a fresh subprocess per engine. Outputs are DVC metrics
-with `cache: false`, so a run-cache restore can never bring back stale timings. An INT8 engine that is not faster
-than its FP32 sibling on the same target fails its recipe (exit 1), after the numbers are written.
+interleaved in rounds so machine noise hits them alike; ratios come from that one run. Cold start (verified load +
+session creation + first inference) and memory are measured in a fresh process per engine. Outputs are DVC metrics
+with `cache: false` (timings are records of one run: never restored from the run cache, and declared
+non-reproducible in the README), with a manifest binding them to the engines' and verdicts' digests. An INT8 engine
+that is not faster than its FP32 sibling on the same target fails its recipe (exit 1), after the numbers are
+written.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -21,40 +21,31 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import models, paths, targets, toolchain
-from pipeline.config import Config
-from pipeline.manifest import write_json_atomic
+from pipeline import coldstart, models, paths, stage, tables, targets, toolchain
+from pipeline import engines as engine_loader
+from pipeline.manifest import build_manifest, input_ref, manifest_path, write_json_atomic, write_manifest
 from pipeline.targets.base import synthetic_feed
 
 ROUNDS = 5
 EAGER = "pytorch-eager"
 
-_COLD = """
-import json, resource, sys, time
-t0 = time.perf_counter()
-from pathlib import Path
-import numpy as np
-from pipeline import targets
-from pipeline.targets.base import synthetic_feed as bench_feed
-import onnx, onnxruntime  # noqa: F401  (runtime imports count as baseline, not as the engine's memory)
-t_import = time.perf_counter()
-def rss_mb():  # current resident set; ru_maxrss is a high-water mark that the imports already set
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
-rss_base = rss_mb()
-runner = targets.get(sys.argv[1]).load(Path(sys.argv[2]))
-t_load = time.perf_counter()
-kind, shape = sys.argv[5], tuple(json.loads(sys.argv[3]))
-runner.run_all(bench_feed(kind, shape, 1))
-t_first = time.perf_counter()
-big = bench_feed(kind, shape, int(sys.argv[4]))
-for _ in range(5):
-    runner.run_all(big)
-print(json.dumps({"import_ms": (t_import - t0) * 1e3, "load_ms": (t_load - t_import) * 1e3,
-                  "first_inference_ms": (t_first - t_load) * 1e3,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "engine_rss_mb": rss_mb() - rss_base}))
-"""
 
+def _engines(cfg, model: str) -> list:
+    return cfg.engines_of(model)
+
+
+STAGE = stage.Stage(
+    "bench", "pipeline.stages.bench",
+    "every engine of the model + PyTorch eager, interleaved in one run; timings are records (never cached)",
+    keys=lambda cfg: [m for m in cfg.models if cfg.engines_of(m)],
+    deps=lambda cfg, key: [*models.weight_deps(cfg.model(key)),
+                           *(paths.engine(e.name).as_posix() for e in _engines(cfg, key)),
+                           *(paths.validation(e.name).as_posix() for e in _engines(cfg, key))],
+    params=lambda cfg, key: ["bench", f"models.{key}"],
+    dynamic=lambda cfg, key: [models.factory_module(cfg.model(key)),
+                              *sorted({targets.module(e.target) for e in _engines(cfg, key)})],
+    outs=lambda cfg, key: [stage.Out((paths.bench(key) / paths.BENCH_FILE).as_posix(), cache=False, kind="metrics"),
+                           stage.Out(manifest_path(paths.bench(key), key).as_posix(), cache=False)])
 
 @dataclass(frozen=True)
 class BenchResult:
@@ -64,10 +55,16 @@ class BenchResult:
 
 def cold_start(target: str, engine_dir: Path, input_shape: tuple[int, ...], max_batch: int,
                kind: str = "chips") -> dict[str, float]:
-    """Fresh process: import, session creation, first inference; resident memory after max-batch inferences."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", _COLD, target, str(engine_dir), json.dumps(list(input_shape)),
-                          str(max_batch), kind], capture_output=True, text=True, check=True, env=env)
+    """Fresh process: import, verified load + session creation, first inference; resident memory after max-batch
+    inferences."""
+    out = subprocess.run([sys.executable, "-m", coldstart.__name__, target, str(engine_dir),
+                          json.dumps(list(input_shape)), str(max_batch), kind], capture_output=True, text=True,
+                         env=stage.cli_env(Path(".")))
+    if out.returncode != 0:
+        from pipeline.errors import KilnError
+
+        raise KilnError(f"cold start of {engine_dir} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}",
+                        "run `kiln validate` on the engine first")
     r = json.loads(out.stdout.strip().splitlines()[-1])
     r["cold_start_ms"] = r["load_ms"] + r["first_inference_ms"]
     return {k: round(v, 3) for k, v in r.items()}
@@ -104,23 +101,54 @@ def summarize(lat: dict[int, np.ndarray]) -> dict[str, float]:
     return {k: round(float(v), 4) for k, v in out.items()}
 
 
-def run(cfg: Config, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
-    """The bench stage: measure, then write artifacts/bench/<model>/bench.json (DVC metrics, never cached)."""
+def int8_gate(report: dict, engines: list, batches: tuple[int, ...], min_speedup: float) -> list[str]:
+    """Speed-ups of each INT8 engine over its FP32 sibling on the same target (written into `report`), and a
+    failure for every batch where it is below `min_speedup`."""
+    failures = []
+    for e in engines:
+        if e.precision != "int8":
+            continue
+        sibling = next((s for s in engines if s.target == e.target and s.precision == "fp32"), None)
+        if sibling is None:
+            continue
+        m = report["engines"][e.name]
+        for b in batches:
+            ratio = report["engines"][sibling.name][f"b{b}_p50_ms"] / m[f"b{b}_p50_ms"]
+            m[f"b{b}_speedup_vs_fp32"] = round(ratio, 3)
+            report["ratios"][f"{e.name}/{sibling.name}@b{b}"] = round(ratio, 3)
+            if ratio < min_speedup:
+                failures.append(f"{e.name} is {ratio:.2f}× its FP32 sibling {sibling.name} at batch {b} "
+                                f"(needs ≥ {min_speedup:g}×): the INT8 recipe {e.recipe!r} does not pay")
+    return failures
+
+
+def run(cfg, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
+    """The bench stage: measure, then write artifacts/bench/<model>/bench.json + its manifest (never cached)."""
     result = measure_model(cfg, model_name, root, progress)
-    write_json_atomic(paths.bench(model_name, root) / "bench.json", result.report)
+    d = paths.bench(model_name, root)
+    write_json_atomic(d / paths.BENCH_FILE, result.report)
+    inputs = []
+    for e in _engines(cfg, model_name):
+        inputs.append(input_ref(f"engine:{e.name}", manifest_path(paths.engine(e.name, root), e.name), root))
+        inputs.append(input_ref(f"validation:{e.name}", manifest_path(paths.validation(e.name, root), e.name), root))
+    write_manifest(d, build_manifest(
+        kind="bench", name=model_name, model=model_name, directory=d, files=[d / paths.BENCH_FILE], inputs=inputs,
+        build={"rounds": ROUNDS, "timings": "one run's record: not reproducible, not cached"},
+        results={"verdict": result.report["verdict"], "failures": result.failures},
+        **STAGE.identity(cfg, model_name, root)))
     return result
 
 
-def measure_model(cfg: Config, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
+def measure_model(cfg, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
     mcfg, bcfg = cfg.model(model_name), cfg.bench
-    engines = [e for e in cfg.engines_of(model_name)]
+    engines = _engines(cfg, model_name)
     inputs = {b: synthetic_feed(mcfg.samples, mcfg.input_shape, b) for b in bcfg.batches}
-    report: dict = {"model": model_name, "engines": {}, "ratios": {}, "host": toolchain.cpu(),
-                    "python": platform.python_version(), "settings": cfg.section("bench")}
+    report: dict = {"model": model_name, "engines": {}, "ratios": {}, "host": toolchain.host(),
+                    "isa": toolchain.cpu()["isa"], "settings": cfg.section("bench")}
     for e in engines:  # cold start first, in fresh processes, before this process warms anything
         report["engines"][e.name] = cold_start(e.target, paths.engine(e.name, root), mcfg.input_shape,
                                                max(bcfg.batches), mcfg.samples)
-    variants: dict[str, Callable] = {e.name: targets.get(e.target).load(paths.engine(e.name, root)).run_all
+    variants: dict[str, Callable] = {e.name: engine_loader.load(e.target, paths.engine(e.name, root)).run_all
                                      for e in engines}
     import torch
 
@@ -137,23 +165,11 @@ def measure_model(cfg: Config, model_name: str, root: Path = Path("."), progress
     lat = measure(variants, inputs, bcfg.warmup, bcfg.min_runs, bcfg.min_seconds, progress)
     for name in variants:
         report["engines"].setdefault(name, {}).update(summarize(lat[name]))
-    failures = []
     for e in engines:
         m = report["engines"][e.name]
         for b in bcfg.batches:
             m[f"b{b}_speedup_vs_eager"] = round(report["engines"][EAGER][f"b{b}_p50_ms"] / m[f"b{b}_p50_ms"], 3)
-        if e.precision != "int8":
-            continue
-        sibling = next((s for s in engines if s.target == e.target and s.precision == "fp32"), None)
-        if sibling is None:
-            continue
-        for b in bcfg.batches:
-            ratio = report["engines"][sibling.name][f"b{b}_p50_ms"] / m[f"b{b}_p50_ms"]
-            m[f"b{b}_speedup_vs_fp32"] = round(ratio, 3)
-            report["ratios"][f"{e.name}/{sibling.name}@b{b}"] = round(ratio, 3)
-            if ratio < bcfg.int8_min_speedup:
-                failures.append(f"{e.name} is {ratio:.2f}× its FP32 sibling {sibling.name} at batch {b} "
-                                f"(needs ≥ {bcfg.int8_min_speedup:g}×): the INT8 recipe {e.recipe!r} does not pay")
+    failures = int8_gate(report, engines, bcfg.batches, bcfg.int8_min_speedup)
     report["failures"] = failures
     report["verdict"] = "fail" if failures else "pass"
     return BenchResult(report, failures)
@@ -164,11 +180,30 @@ def table(report: dict, batches: tuple[int, ...], extra: dict[str, dict[str, flo
     extra = extra or {}
     extra_cols = sorted({k for v in extra.values() for k in v})
     cols = [f"b{b} p50 ms" for b in batches] + [f"b{b} p99 ms" for b in batches] + \
-        [f"b{b} ×eager" for b in batches] + [f"b{b} ×fp32" for b in batches] + ["cold ms", "peak RSS MB", "engine MB"] + extra_cols
-    lines = ["| engine | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        [f"b{b} ×eager" for b in batches] + [f"b{b} ×fp32" for b in batches] + ["cold ms", "peak RSS MB",
+                                                                               "engine MB"] + extra_cols
+    rows = []
     for name, m in report["engines"].items():
-        vals = [m.get(f"b{b}_p50_ms") for b in batches] + [m.get(f"b{b}_p99_ms") for b in batches] + \
-            [m.get(f"b{b}_speedup_vs_eager") for b in batches] + [m.get(f"b{b}_speedup_vs_fp32") for b in batches] + \
-            [m.get("cold_start_ms"), m.get("peak_rss_mb"), m.get("engine_rss_mb")] + [extra.get(name, {}).get(c) for c in extra_cols]
-        lines.append(f"| {name} | " + " | ".join("" if v is None else f"{v:.4g}" for v in vals) + " |")
-    return "\n".join(lines)
+        rows.append([name] + [m.get(f"b{b}_p50_ms") for b in batches] + [m.get(f"b{b}_p99_ms") for b in batches]
+                    + [m.get(f"b{b}_speedup_vs_eager") for b in batches]
+                    + [m.get(f"b{b}_speedup_vs_fp32") for b in batches]
+                    + [m.get("cold_start_ms"), m.get("peak_rss_mb"), m.get("engine_rss_mb")]
+                    + [extra.get(name, {}).get(c) for c in extra_cols])
+    return tables.markdown(["engine", *cols], rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.errors import GateFailed
+
+    def body(args, run_) -> int:
+        r = run(args.cfg, args.key)
+        print(table(r.report, args.cfg.bench.batches))
+        if r.failures:
+            raise GateFailed("; ".join(r.failures), "change the quantization recipe or drop the INT8 engine")
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="model name from params.yaml (e.g. embedder)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -8,7 +8,9 @@ ranges whose graph digest differs. That keeps this artifact a few kilobytes inst
 
 Memory is bounded by `calibrate.batch`, never by the set size: an augmented copy of the graph exposes every tensor
 that QDQ quantization needs a range for (float inputs and outputs of quantizable nodes, as ORT's own calibrators
-select them), and ORT runs it batch by batch. Pass 1 keeps a running min/max per tensor; pass 2 (percentile and
+select them), and ORT runs it batch by batch on the streamed feeds (pipeline/samples.py: chips `batch` at a time;
+the detector nets' inputs captured photo by photo, R-/O-Net crops re-batched to `batch`, P-Net one pyramid level
+per feed, since levels differ in size). Pass 1 keeps a running min/max per tensor; pass 2 (percentile and
 entropy) adds every batch into a fixed `calibrate.bins`-bin histogram of |x| over [0, max |x|] from pass 1. Counts
 add exactly, so the result does not depend on the batch size. ORT's calibrators are not used: their `collect_data`
 keeps every batch's outputs until `compute_data`.
@@ -35,6 +37,7 @@ Methods (the chosen one is `tensors` in ranges.json; the plain min/max is always
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -45,12 +48,20 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from pipeline import paths, samples, toolchain
-from pipeline.config import CalibrateConfig, Config
-from pipeline.data import load_set, to_nchw
+from pipeline import paths, samples, stage
+from pipeline.config import CalibrateConfig
+from pipeline.data import to_nchw
 from pipeline.errors import KilnError
-from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_json_atomic,
+from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_json_atomic,
                                write_manifest, xxh3_128_hex)
+
+STAGE = stage.Stage(
+    "calibrate", "pipeline.stages.calibrate",
+    "activation ranges of the FP32 ONNX on the calibration set (streamed), reused by every recipe/target",
+    keys=lambda cfg: list(cfg.quantize.models),
+    deps=lambda cfg, key: [paths.export(key).as_posix(), *samples.deps(cfg, key, "calibration")],
+    params=lambda cfg, key: ["calibrate", *samples.params(cfg, key)],
+    outs=lambda cfg, key: [stage.Out(paths.calibration(key).as_posix())])
 
 QUANTIZED_LEVELS = 128          # int8: 128 levels on each side of zero
 SMOOTHING = 1e-4                # probability floor of Q where it is 0 but P is not (MXNet / ORT smoothing eps)
@@ -144,15 +155,13 @@ def _batches(source, batch: int) -> Iterator[dict[str, np.ndarray]]:
         yield from source
 
 
-def _count(source) -> int:
-    return len(source) if isinstance(source, np.ndarray) else samples.sample_count(source)
-
-
 # ---------------------------------------------------------------------------------------------- statistics
 def collect_minmax(run_batch: Callable[[dict], list[np.ndarray]], chips, batch: int,
-                   n: int) -> tuple[np.ndarray, np.ndarray]:
-    lo, hi = np.full(n, np.inf, np.float64), np.full(n, -np.inf, np.float64)
+                   n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Running min and max per tensor, and the number of samples seen."""
+    lo, hi, count = np.full(n, np.inf, np.float64), np.full(n, -np.inf, np.float64), 0
     for x in _batches(chips, batch):
+        count += next(iter(x.values())).shape[0]
         for k, out in enumerate(run_batch(x)):
             if out.size:
                 lo[k] = min(lo[k], float(out.min()))
@@ -160,7 +169,7 @@ def collect_minmax(run_batch: Callable[[dict], list[np.ndarray]], chips, batch: 
     if not np.all(np.isfinite(lo) & np.isfinite(hi)):
         raise KilnError("calibration produced empty, NaN or infinite activations",
                         "check the calibration set and the exported model (kiln export)")
-    return lo, hi
+    return lo, hi, count
 
 
 def collect_histograms(run_batch: Callable[[dict], list[np.ndarray]], chips, batch: int,
@@ -303,10 +312,10 @@ def compute_ranges(model_path: Path, chips, ccfg: CalibrateConfig,
 
     seconds = {}
     t0 = time.perf_counter()
-    lo, hi = collect_minmax(run_batch, chips, ccfg.batch, len(tensors))
+    lo, hi, count = collect_minmax(run_batch, chips, ccfg.batch, len(tensors))
     seconds["minmax"] = round(time.perf_counter() - t0, 3)
     progress(f"{label}: pass 1/{1 if ccfg.method == 'minmax' else 2} min/max: {len(tensors)} tensors × "
-             f"{_count(chips)} samples in {seconds['minmax']:.1f} s")
+             f"{count} samples in {seconds['minmax']:.1f} s")
     minmax = {t: {"min": float(lo[k]), "max": float(hi[k])} for k, t in enumerate(tensors)}
     chosen = minmax
     if ccfg.method != "minmax":
@@ -319,25 +328,29 @@ def compute_ranges(model_path: Path, chips, ccfg: CalibrateConfig,
             a, b = clip_range(float(lo[k]), float(hi[k]), th)
             chosen[t] = {"min": a, "max": b}
         seconds[ccfg.method] = round(time.perf_counter() - t0, 3)
-        progress(f"{label}: pass 2/2 {ccfg.method} ({ccfg.bins} bins): {len(tensors)} tensors × {_count(chips)} "
+        progress(f"{label}: pass 2/2 {ccfg.method} ({ccfg.bins} bins): {len(tensors)} tensors × {count} "
                  f"samples in {seconds[ccfg.method]:.1f} s")
-    return {"method": ccfg.method, "tensors": chosen, "minmax": minmax, "samples": _count(chips)}, seconds
+    return {"method": ccfg.method, "tensors": chosen, "minmax": minmax, "samples": count}, seconds
 
 
-def run(cfg: Config, model_name: str, root: Path = Path("."), progress: Callable[[str], None] = print
+def run(cfg, model_name: str, root: Path = Path("."), progress: Callable[[str], None] = print
         ) -> CalibrationResult:
     """Calibrate `model_name`'s export on the calibration set → ranges.json + manifest."""
     ccfg = cfg.calibrate
     cfg.model(model_name)
-    export_dir, set_dir = paths.export(model_name, root), paths.data_set("calibration", root)
-    mcfg = cfg.model(model_name)
-    chips = load_set(set_dir).chips if mcfg.samples == "chips" else samples.feeds(cfg, model_name, "calibration", root)
+    export_dir = paths.export(model_name, root)
+    export_manifest = manifest_path(export_dir, model_name)
+    read_verified(export_manifest)                     # a modified export is refused, not calibrated
+    feeds = samples.stream(cfg, model_name, "calibration", root, batch=ccfg.batch)
     label = f"calibrate@{model_name}"
     out = paths.calibration(model_name, root)
     with tempfile.TemporaryDirectory(prefix="kiln-calibrate-") as tmp, atomic_dir(out) as d:
         pre = Path(tmp) / "preprocessed.onnx"
-        graph_digest = preprocess(export_dir / "model.onnx", pre)
-        ranges, seconds = compute_ranges(pre, chips, ccfg, progress, label)
+        graph_digest = preprocess(export_dir / paths.ONNX_FILE, pre)
+        ranges, seconds = compute_ranges(pre, feeds, ccfg, progress, label)
+        if ranges["samples"] == 0:
+            raise KilnError(f"{label}: the calibration photos gave no inputs for this graph",
+                            "check data.photos: the reference detector must find faces in them")
         ranges["graph_xxh3_128"] = graph_digest
         write_json_atomic(d / "ranges.json", ranges)
         n, changed = len(ranges["tensors"]), differs(ranges["tensors"], ranges["minmax"])
@@ -345,7 +358,8 @@ def run(cfg: Config, model_name: str, root: Path = Path("."), progress: Callable
                    "graph_xxh3_128": graph_digest,
                    "differs_from_minmax": {"rel_threshold": DIFFERS_REL, "tensors": changed,
                                            "fraction": round(changed / n, 6)}}
-        build = {"method": ccfg.method, "preprocess": PREPROCESS, "op_types": quantizable_op_types()}
+        build = {"method": ccfg.method, "preprocess": PREPROCESS, "op_types": quantizable_op_types(),
+                 "batch": ccfg.batch}
         if ccfg.method == "percentile":
             build.update(bins=ccfg.bins, histogram="abs", percentile=ccfg.percentile)
         elif ccfg.method == "entropy":
@@ -353,9 +367,23 @@ def run(cfg: Config, model_name: str, root: Path = Path("."), progress: Callable
                          max_clipped=MAX_CLIPPED, exact_zeros="excluded")
         write_manifest(d, build_manifest(
             kind="calibration", name=model_name, model=model_name, directory=d, files=[d / "ranges.json"],
-            inputs=[input_ref("onnx", manifest_path(export_dir, model_name), root),
-                    input_ref("calibration_set", manifest_path(set_dir, "calibration"), root)],
-            toolchain=toolchain.describe("onnx", "onnxruntime"), build=build,
-            source=source_info(root, cfg.section("calibrate")), results=results,
-            record={"seconds": seconds, "batch": ccfg.batch}))
+            inputs=[input_ref("onnx", export_manifest, root), *samples.inputs(cfg, model_name, "calibration", root)],
+            build=build, results=results, **STAGE.identity(cfg, model_name, root)))
     return CalibrationResult(out, ccfg.method, n, ranges["samples"], changed / n, seconds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args, run_) -> int:
+        t0 = time.perf_counter()
+        r = run(args.cfg, args.key)
+        run_.record["seconds_per_pass"] = r.seconds
+        print(f"calibrate@{args.key}: {r.method} ranges of {r.tensors} tensors over {r.samples} samples "
+              f"in {time.perf_counter() - t0:.1f} s → {r.directory / 'ranges.json'}")
+        print(f"  {r.differs_fraction:.0%} of the tensors' ranges differ from plain min/max by > 1 %")
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="model name from quantize.models (e.g. embedder)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

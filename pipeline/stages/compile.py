@@ -1,89 +1,141 @@
-"""compile@<engine>: lower one model's ONNX (FP32 export or INT8 QDQ) for one target; audit what really runs.
+"""compile@<engine>: lower one model (ONNX or torch.export program) for one target and precision; audit what runs.
 
-The audit reads the compiled graph and lists compute nodes that fell back from the requested precision (e.g. a
+The audit reads the compiled engine and lists compute nodes that fell back from the requested precision (e.g. a
 Conv left in float inside an INT8 engine) — the "silent fallback" that passes functional tests and ruins latency.
 The target's `fallback_policy` decides whether that warns (recorded in the manifest) or fails the stage.
+
+Reproducibility is proven, not assumed: a target whose compile is cheap (`reproducibility.checked_at_compile`)
+is compiled a second time, in a fresh process, in a scratch project (pipeline/scratch.py), and an engine whose
+bytes differ fails the stage. Other targets record their claim and how to prove it (`kiln rebuild-check`).
 """
 
 from __future__ import annotations
 
-import hashlib
+import argparse
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths, targets
-from pipeline.config import Config, EngineSpec, source_kind
+from pipeline import paths, scratch, stage, targets
+from pipeline.config import EngineSpec, source_kind
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_manifest
-from pipeline.stages import fingerprint
+from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
 from pipeline.targets.base import CompileOptions, OpSupport
+
+STAGE = stage.Stage(
+    "compile", "pipeline.stages.compile",
+    "lower one model for one target and precision; audit fallbacks; prove the build reproducible",
+    keys=lambda cfg: list(cfg.engines),
+    deps=lambda cfg, key: [cfg.engine(key).source],
+    params=lambda cfg, key: [f"engines.{key}", f"targets.{cfg.engine(key).target}"],
+    targets=lambda cfg, key: [cfg.engine(key).target],
+    dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target)],
+    outs=lambda cfg, key: [stage.Out(paths.engine(key).as_posix())])
 
 
 @dataclass(frozen=True)
 class CompileResult:
     directory: Path
     audit: OpSupport
-    reproducible: bool | None
+    reproducibility: dict
     warnings: list[str]
 
 
 def source_artifact(spec: EngineSpec, root: Path) -> tuple[Path, Path]:
-    """The file an engine is compiled from and its manifest, by the target's `source_kind`: the torch.export
+    """The file an engine is compiled from and its manifest, by what the target compiles: the torch.export
     program (program targets), else the FP32 ONNX export or the recipe's INT8 QDQ model."""
     if source_kind(spec.target) == "program":
-        from pipeline.stages.program import PROGRAM_FILE
-
         d = paths.program(spec.model, root)
-        return d / PROGRAM_FILE, manifest_path(d, spec.model)
+        return d / paths.PROGRAM_FILE, manifest_path(d, spec.model)
     if spec.precision == "int8":
         d = paths.quantized(spec.model, spec.recipe, root)
-        return d / "model.onnx", manifest_path(d, f"{spec.model}-{spec.recipe}")
+        return d / paths.ONNX_FILE, manifest_path(d, f"{spec.model}-{spec.recipe}")
     d = paths.export(spec.model, root)
-    return d / "model.onnx", manifest_path(d, spec.model)
+    return d / paths.ONNX_FILE, manifest_path(d, spec.model)
 
 
-def _digests(files: list[Path]) -> list[str]:
-    return [hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(files)]
-
-
-def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> CompileResult:
+def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpSupport, list[str]]:
+    """Compile into `out` and audit; the fallback policy may refuse. No manifest, no reproducibility check."""
     spec = cfg.engine(engine_name)
     tcfg = cfg.targets[spec.target]
     if not tcfg.enabled:
         raise KilnError(f"engine {engine_name}: target {spec.target} is disabled in params.yaml",
                         f"set targets.{spec.target}.enabled: true, or drop the engine from `engines:`")
-    fp = fingerprint.read(spec.target, root)
+    fp = stage.read_fingerprint(spec.target, root)
     if not fp["available"]:
-        raise KilnError(f"engine {engine_name}: {spec.target}: unavailable ({fp['reason']})",
+        raise KilnError(f"engine {engine_name}: {spec.target}: unavailable ({fp['reason']}); not built",
                         "build it on a host that has this toolchain, or drop the engine from `engines:`")
-    onnx_path, onnx_manifest = source_artifact(spec, root)
-    if not onnx_path.is_file():
-        raise KilnError(f"{onnx_path}: source artifact for {engine_name} not found", "run the upstream stages: dvc repro")
+    src, src_manifest = source_artifact(spec, root)
+    read_verified(src_manifest)             # the source must be exactly what its manifest says, before use
     target = targets.get(spec.target)
-    options = CompileOptions(spec.precision, tcfg.options)
+    options = CompileOptions(spec.precision, targets.options(cfg, spec.target))
+    with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
+        files = target.compile(src, options, out, Path(work))
+    audit = target.audit(out, spec.precision)
+    warnings = [f"{f['node']} ({f['op']}) runs as {f['runs_as']}" for f in audit.fallback]
+    if warnings and tcfg.fallback_policy == "fail":
+        raise GateFailed(f"compile@{engine_name}: {len(warnings)} compute nodes fell back from {spec.precision}: "
+                         + "; ".join(warnings[:5]), f"fix the quantization recipe, or set targets.{spec.target}"
+                         ".fallback_policy: warn to accept it")
+    return files, audit, warnings
+
+
+def run(cfg, engine_name: str, root: Path = Path("."), check: bool = True) -> CompileResult:
+    spec = cfg.engine(engine_name)
+    target = targets.get(spec.target)
+    claim = target.reproducibility
+    src, src_manifest = source_artifact(spec, root)
     out = paths.engine(engine_name, root)
     with atomic_dir(out) as d:
-        files = target.compile(onnx_path, options, d)
-        audit = target.audit(d, spec.precision)
-        warnings = [f"{f['node']} ({f['op']}) runs as {f['runs_as']}" for f in audit.fallback]
-        if warnings and tcfg.fallback_policy == "fail":
-            raise GateFailed(f"compile@{engine_name}: {len(warnings)} compute nodes fell back from {spec.precision}: "
-                             + "; ".join(warnings[:5]), f"fix the quantization recipe, or set targets.{spec.target}"
-                             ".fallback_policy: warn to accept it")
-        reproducible = None
-        if getattr(target, "cheap_rebuild", False):  # compile again and compare bytes: is the engine reproducible?
-            with tempfile.TemporaryDirectory(dir=d.parent) as again:
-                reproducible = _digests(files) == _digests(target.compile(onnx_path, options, Path(again)))
-        inputs = [input_ref(source_kind(spec.target), onnx_manifest, root)]  # role "onnx" or "program"
-        # targets whose engines carry more than files (tensorrt: builder plan, inspector summary, equivalence)
-        extras = target.manifest_extras(d) if hasattr(target, "manifest_extras") else {}
+        files, audit, warnings = build(cfg, engine_name, root, d)
+        repro = {"claim": claim.claim, "basis": claim.basis}
+        if check and claim.checked_at_compile:
+            with scratch.rebuild(STAGE, cfg, engine_name, root, ("--no-rebuild-check",)) as other:
+                built = Path(other) / paths.engine(engine_name)
+                # the manifest is written below; compare the engine's files themselves
+                differ = [f.name for f in files
+                          if not (built / f.relative_to(d)).is_file()
+                          or (built / f.relative_to(d)).read_bytes() != f.read_bytes()]
+            if differ:
+                raise GateFailed(f"compile@{engine_name}: a second build in a fresh process differs in "
+                                 f"{', '.join(differ)}; {spec.target} claims {claim.claim} builds",
+                                 f"classify the difference: kiln rebuild-check compile@{engine_name}")
+            repro["checked"] = "compile: second build in a fresh process, scratch project: bit-identical"
+        else:
+            repro["checked"] = (f"not at compile; prove it with `kiln rebuild-check compile@{engine_name}`"
+                                if check else "not checked (a rebuild-check's own build)")
+        extras = target.manifest_extras(d)
         write_manifest(d, build_manifest(
             kind="engine", name=engine_name, model=spec.model, target=spec.target, precision=spec.precision,
-            directory=d, files=files, inputs=inputs, toolchain={**fp["rebuild_on"], **fp["info"]},
-            build={"options": tcfg.options, "recipe": spec.recipe, "fallback_policy": tcfg.fallback_policy,
-                   "deterministic": reproducible, **extras.get("build", {})},
-            source=source_info(root, {"engine": cfg.section("engines", engine_name),
-                                      "target": cfg.section("targets", spec.target)}),
-            results={"audit": audit.summary(), "fallback_warnings": warnings, **extras.get("results", {})}))
-    return CompileResult(out, audit, reproducible, warnings)
+            directory=d, files=files, inputs=[input_ref(source_kind(spec.target), src_manifest, root)],
+            build={"options": cfg.targets[spec.target].options, "recipe": spec.recipe,
+                   "fallback_policy": cfg.targets[spec.target].fallback_policy, "reproducibility": repro,
+                   **extras.get("build", {})},
+            results={"audit": audit.summary(), "fallback_warnings": warnings, **extras.get("results", {})},
+            **STAGE.identity(cfg, engine_name, root)))
+    return CompileResult(out, audit, repro, warnings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--no-rebuild-check", action="store_true",
+                       help="skip the fresh-process rebuild (used by that rebuild itself)")
+
+    def body(args, run_) -> int:
+        t0 = time.perf_counter()
+        r = run(args.cfg, args.key, check=not args.no_rebuild_check)
+        a = r.audit.summary()
+        print(f"compile@{args.key}: {r.directory} in {time.perf_counter() - t0:.1f} s; {a['native_nodes']} compute "
+              f"nodes native {a['precision']}, {a['fallback_nodes']} fell back; reproducibility: "
+              f"{r.reproducibility['claim']} ({r.reproducibility['checked']})")
+        for w in r.warnings:
+            print(f"  warning: fallback: {w}")
+        return 0
+
+    return stage.main(STAGE, body, argv, build=extra, key_help="engine name from params.yaml `engines:`")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

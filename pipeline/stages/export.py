@@ -8,6 +8,7 @@ stage fails and writes nothing.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -17,11 +18,25 @@ import numpy as np
 import onnx
 import torch
 
-from pipeline import models, paths, samples, toolchain
-from pipeline.config import Config, ExportConfig, ModelConfig
+from pipeline import models, paths, samples, stage
+from pipeline.config import ExportConfig, ModelConfig
 from pipeline.errors import GateFailed, KilnError
+from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, write_manifest
 from pipeline.stages.golden import load_reference
-from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_manifest
+
+
+def model_deps(cfg, key: str) -> list[str]:
+    """What a stage that rebuilds a model and compares it with its golden outputs reads."""
+    return [*models.weight_deps(cfg.model(key)), paths.golden(key).as_posix(), *samples.deps(cfg, key, "golden")]
+
+
+STAGE = stage.Stage(
+    "export", "pipeline.stages.export", "PyTorch → ONNX, checked, inventoried, parity-gated against golden",
+    keys=lambda cfg: list(cfg.models), deps=model_deps,
+    params=lambda cfg, key: [f"models.{key}", "export", *samples.params(cfg, key)],
+    dynamic=lambda cfg, key: [models.factory_module(cfg.model(key))],
+    outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())])
+
 
 @dataclass(frozen=True)
 class ExportResult:
@@ -67,13 +82,18 @@ def check_graph(path: Path) -> tuple[dict[str, int], dict[str, list]]:
 
 
 def compare(run_feed, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
-    """`run_feed(feed) -> outputs` vs the reference on every feed and output: max |Δ| and per-sample cosine."""
+    """`run_feed(feed) -> outputs` vs the reference on every feed and output: max |Δ| and per-sample cosine.
+    A NaN or infinite value on either side makes max |Δ| infinite and the cosine -1, so no gate can pass it."""
     max_abs, cosines, n = 0.0, [], 0
     for feed, ref in zip(feeds, reference):
         got = run_feed(feed)
         n += next(iter(feed.values())).shape[0]
         for g, r in zip(got, ref):
             g2, r2 = g.reshape(len(g), -1).astype(np.float64), r.reshape(len(r), -1).astype(np.float64)
+            if not (np.isfinite(g2).all() and np.isfinite(r2).all()):
+                max_abs = float("inf")
+                cosines.append(np.full(len(g2), -1.0))
+                continue
             max_abs = max(max_abs, float(np.abs(g2 - r2).max()))
             cosines.append(np.sum(g2 * r2, 1) / np.maximum(np.linalg.norm(g2, axis=1) * np.linalg.norm(r2, axis=1),
                                                             1e-30))
@@ -89,7 +109,7 @@ def parity(onnx_path: Path, feeds, reference: list[list[np.ndarray]]) -> dict[st
     return compare(lambda feed: sess.run(None, feed), feeds, reference)
 
 
-def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ExportResult:
+def run(cfg, model_name: str, root: Path = Path(".")) -> ExportResult:
     mcfg, ecfg = cfg.model(model_name), cfg.export
     golden_dir = paths.golden(model_name, root)
     feeds = samples.feeds(cfg, model_name, "golden", root)
@@ -100,23 +120,46 @@ def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ExportResult:
         export_onnx(models.build(mcfg, root), mcfg, ecfg, onnx_path, feeds[0])
         ops, shapes = check_graph(onnx_path)
         par = parity(onnx_path, feeds, reference)
-        max_abs = ecfg.parity_max_abs if mcfg.parity_max_abs is None else mcfg.parity_max_abs
-        passed = par["max_abs"] <= max_abs and par["cosine_min"] >= ecfg.parity_min_cosine
+        max_abs = ecfg.parity.max_abs if mcfg.parity_max_abs is None else mcfg.parity_max_abs
+        passed = par["max_abs"] <= max_abs and par["cosine_min"] >= ecfg.parity.min_cosine
         if not passed:
             raise GateFailed(f"export@{model_name}: ONNX Runtime differs from PyTorch beyond tolerance: max |Δ| "
                              f"{par['max_abs']:.3g} (limit {max_abs:g}), min cosine "
-                             f"{par['cosine_min']:.7f} (limit {ecfg.parity_min_cosine:g})",
+                             f"{par['cosine_min']:.7f} (limit {ecfg.parity.min_cosine:g})",
                              "inspect the exported graph; loosen export.parity only with a reason")
         results = {"parity": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in par.items()},
-                   "parity_limits": {"max_abs": max_abs, "min_cosine": ecfg.parity_min_cosine},
+                   "parity_limits": {"max_abs": max_abs, "min_cosine": ecfg.parity.min_cosine},
                    "ops": ops, "nodes": sum(ops.values()), "outputs": shapes}
         write_manifest(d, build_manifest(
             kind="onnx", name=model_name, model=model_name, precision="fp32", directory=d, files=[onnx_path],
             inputs=[input_ref("golden", manifest_path(golden_dir, model_name), root)],
-            toolchain=toolchain.describe("torch", "onnx", "onnxruntime"),
             build={"exporter": ecfg.exporter, "opset": ecfg.opset,
                    "dynamic_axes": {k: list(v) for k, v in mcfg.dynamic.items()},
                    "inputs": {k: list(v.shape) for k, v in feeds[0].items()}},
-            source=source_info(root, {"export": cfg.section("export"), "model": cfg.section("models", model_name)}),
-            results=results))
-    return ExportResult(out / "model.onnx", results["parity"], ops)
+            results=results, **STAGE.identity(cfg, model_name, root)))
+    return ExportResult(out / paths.ONNX_FILE, results["parity"], ops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import time
+
+    def body(args, run_) -> int:
+        t0 = time.perf_counter()
+        r = run(args.cfg, args.key)
+        p = r.parity
+        print(f"export@{args.key}: {r.onnx_path} ({r.onnx_path.stat().st_size / 1e6:.1f} MB, "
+              f"{sum(r.ops.values())} nodes) in {time.perf_counter() - t0:.1f} s")
+        print_parity(p)
+        print("  ops: " + ", ".join(f"{k}×{v}" for k, v in r.ops.items()))
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="model name from params.yaml (e.g. embedder)")
+
+
+def print_parity(p: dict) -> None:
+    print(f"  parity vs PyTorch on {p['samples']} golden samples: max |Δ| {p['max_abs']:.2e}, "
+          f"cosine min {p['cosine_min']:.7f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

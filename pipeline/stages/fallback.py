@@ -14,16 +14,27 @@ Writes artifacts/reports/fallback.json (a list of flat rows: DVC plots-friendly)
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths
-from pipeline.config import Config
-from pipeline.manifest import manifest_path, write_bytes_atomic
+from pipeline import paths, stage, tables
+from pipeline.manifest import json_bytes, manifest_path, write_bytes_atomic
 from pipeline.stages import trt_audit
 
 STATIC_TARGETS = ("tensorrt",)
+
+STAGE = stage.Stage(
+    "fallback-table", "pipeline.stages.fallback",
+    "native vs fallback compute nodes per model × target × precision (built engines' audits; static for tensorrt)",
+    deps=lambda cfg, key: [paths.engine(e).as_posix() for e in cfg.engines]
+    + ([(paths.reports() / "trt-audit").as_posix()] if trt_audit.TARGET in cfg.targets else []),
+    params=lambda cfg, key: ["engines", "targets"],
+    outs=lambda cfg, key: [stage.Out((paths.reports() / "fallback.md").as_posix(), cache=False),
+                           stage.Out((paths.reports() / "fallback.json").as_posix(), cache=False, kind="plots",
+                                     plot={"template": "bar_horizontal", "x": "fallback_nodes", "y": "row",
+                                           "title": "compute nodes falling back from the requested precision"})])
 
 
 @dataclass(frozen=True)
@@ -31,10 +42,6 @@ class FallbackResult:
     rows: list[dict]
     json_path: Path
     md_path: Path
-
-
-def out_dir(root: Path = Path(".")) -> Path:
-    return root / paths.ARTIFACTS / "reports"
 
 
 def _row(model: str, target: str, precision: str, engine: str, source: str, audit: dict | None,
@@ -49,14 +56,14 @@ def _row(model: str, target: str, precision: str, engine: str, source: str, audi
             "parses": parses, "note": note}
 
 
-def _static_entries(cfg: Config, model: str, root: Path) -> list[dict]:
+def _static_entries(cfg, model: str, root: Path) -> list[dict]:
     report = trt_audit.report_path(model, root)
     if report.is_file():
         return json.loads(report.read_text())["audits"]
     return trt_audit.audits(cfg, model, root)
 
 
-def rows(cfg: Config, root: Path = Path(".")) -> list[dict]:
+def rows(cfg, root: Path = Path(".")) -> list[dict]:
     out, covered = [], set()
     for name, spec in sorted(cfg.engines.items()):
         m = manifest_path(paths.engine(name, root), name)
@@ -88,26 +95,41 @@ def rows(cfg: Config, root: Path = Path(".")) -> list[dict]:
     return sorted(out, key=lambda r: (r["model"], r["target"], ["fp32", "fp16", "int8"].index(r["precision"])))
 
 
-def markdown(table: list[dict]) -> str:
+def table(rows_: list[dict]) -> str:
     head = ["model", "target", "precision", "source", "native", "fallback", "falls back as", "parses", "note"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in table:
-        as_ = ", ".join(f"{k} ×{v}" for k, v in r["falls_back_as"].items()) or "-"
-        cells = [r["model"], r["target"], r["precision"], r["source"],
-                 "-" if r["native_nodes"] is None else str(r["native_nodes"]),
-                 "-" if r["fallback_nodes"] is None else str(r["fallback_nodes"]), as_,
-                 {None: "-", True: "yes", False: "**no**"}[r["parses"]], r["note"] or ""]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return tables.markdown(head, [[r["model"], r["target"], r["precision"], r["source"],
+                                   "-" if r["native_nodes"] is None else str(r["native_nodes"]),
+                                   "-" if r["fallback_nodes"] is None else str(r["fallback_nodes"]),
+                                   ", ".join(f"{k} ×{v}" for k, v in r["falls_back_as"].items()) or "-",
+                                   {None: "-", True: "yes", False: "**no**"}[r["parses"]], r["note"] or ""]
+                                  for r in rows_])
+
+
+def markdown(rows_: list[dict]) -> str:
     return ("# Native vs fallback compute nodes per model × target × precision\n\n"
             "`engine`: the built engine's audit. `static`: TensorRT's ONNX-parser rules applied to the ONNX the engine "
             "would be built from (no GPU here). Compute nodes: Conv, ConvTranspose, MatMul, Gemm (+ Add, Mul, pools "
-            "when they run natively).\n\n" + "\n".join(lines) + "\n")
+            "when they run natively).\n\n" + table(rows_) + "\n")
 
 
-def run(cfg: Config, root: Path = Path(".")) -> FallbackResult:
-    table = rows(cfg, root)
-    d = out_dir(root)
+def run(cfg, root: Path = Path(".")) -> FallbackResult:
+    found = rows(cfg, root)
+    d = paths.reports(root)
     jp, mp = d / "fallback.json", d / "fallback.md"
-    write_bytes_atomic(jp, (json.dumps(table, sort_keys=True, indent=1) + "\n").encode())
-    write_bytes_atomic(mp, markdown(table).encode())
-    return FallbackResult(table, jp, mp)
+    write_bytes_atomic(jp, json_bytes(found))
+    write_bytes_atomic(mp, markdown(found).encode())
+    return FallbackResult(found, jp, mp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args, run_) -> int:
+        r = run(args.cfg)
+        print(table(r.rows))
+        print(f"→ {r.json_path}, {r.md_path}")
+        return 0
+
+    return stage.main(STAGE, body, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

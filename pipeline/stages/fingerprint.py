@@ -1,33 +1,90 @@
-"""toolchain@<target> (always runs): the target's toolchain fingerprint as a tiny YAML.
+"""toolchain (always runs, one cheap process): every configured target's toolchain fingerprint, and the versions of
+the Python packages the stages import.
 
-`compile` lists only the `rebuild_on` keys of this file under `params:` in dvc.yaml, so an upgrade of that target's
-compiler/runtime (or a different CPU ISA) rebuilds exactly that target's engines, and reverting restores the old
-engines from DVC's run cache. `info` is recorded for audit and never triggers a rebuild.
+* artifacts/toolchain/<target>.yaml — `rebuild_on` (compiler/runtime versions, ISA, device) and `available`;
+  compile@ and validate@ list only its `rebuild_on` under `params:` in dvc.yaml, so an upgrade of that target's
+  toolchain reruns exactly that target's engines, and reverting restores them from DVC's run cache.
+* artifacts/toolchain/python.yaml — Python major.minor and each imported distribution's version (read from package
+  metadata, nothing imported); every stage tracks the packages its own code closure imports.
+
+A file is rewritten only when its content changed, so a no-op `dvc repro` runs this stage and nothing else. The
+probes avoid heavy imports (torch's flags are cached per torch + compiler + CPU; see pipeline/targets/aoti.py).
+Host facts that are not rebuild keys (CPU model, host name) are in the stage's record, not in these files.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
 
-from pipeline import paths, targets
+from pipeline import paths, stage, targets, toolchain
 from pipeline.manifest import write_bytes_atomic
 from pipeline.targets.base import Toolchain
 
+STAGE = stage.Stage(
+    "toolchain", "pipeline.stages.fingerprint",
+    "toolchain fingerprints of every configured target + Python package versions (one cheap process; a file "
+    "changes only when a fingerprint does)",
+    outs=lambda cfg, key: [stage.Out(paths.toolchain_file(t).as_posix(), cache=False) for t in cfg.targets]
+    + [stage.Out(stage.PYTHON_TOOLCHAIN, cache=False)],
+    always_changed=True)
 
-def run(target_name: str, root: Path = Path(".")) -> tuple[Toolchain, Path]:
-    tc = targets.get(target_name).probe()
-    doc = {"target": tc.target, "available": tc.available, "reason": tc.reason,
-           "rebuild_on": tc.rebuild_on, "info": tc.info}
-    out = paths.toolchain_file(target_name, root)
-    write_bytes_atomic(out, yaml.safe_dump(doc, sort_keys=True).encode())
-    return tc, out
+
+def all_packages() -> list[str]:
+    """Every third-party distribution imported anywhere under pipeline/ (what python.yaml lists)."""
+    modules = [".".join(p.relative_to(stage.REPO).with_suffix("").parts).removesuffix(".__init__")
+               for p in (stage.REPO / stage.PACKAGE).rglob("*.py")]
+    return stage.distributions(stage.closure(modules)[1])
 
 
-def read(target_name: str, root: Path = Path(".")) -> dict:
+def _write_if_changed(path: Path, doc: dict) -> bool:
+    data = yaml.safe_dump(doc, sort_keys=True).encode()
+    if path.is_file() and path.read_bytes() == data:
+        return False
+    write_bytes_atomic(path, data)
+    return True
+
+
+def probe(target_name: str) -> Toolchain:
+    return targets.get(target_name).probe()
+
+
+def write(target_name: str, tc: Toolchain, root: Path = Path(".")) -> tuple[Path, bool]:
+    doc = {"target": tc.target, "available": tc.available, "reason": tc.reason, "rebuild_on": tc.rebuild_on}
     path = paths.toolchain_file(target_name, root)
-    if not path.is_file():
-        from pipeline.errors import KilnError
-        raise KilnError(f"{path}: toolchain fingerprint missing", f"run `kiln toolchain {target_name}` first")
-    return yaml.safe_load(path.read_text())
+    return path, _write_if_changed(path, doc)
+
+
+def write_python(root: Path = Path(".")) -> tuple[Path, bool]:
+    path = root / stage.PYTHON_TOOLCHAIN
+    doc = {"python": toolchain.python_version(),
+           "packages": {p: toolchain.version(p) for p in all_packages()}}
+    return path, _write_if_changed(path, doc)
+
+
+def run(cfg, root: Path = Path(".")) -> dict[str, tuple[Toolchain, Path, bool]]:
+    out = {}
+    for name in cfg.targets:
+        tc = probe(name)
+        out[name] = (tc, *write(name, tc, root))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args, run_) -> int:
+        results = run(args.cfg)
+        path, changed = write_python()
+        run_.record["info"] = {}
+        for name, (tc, p, ch) in results.items():
+            run_.record["info"][name] = tc.info
+            print(f"{tc.line()} → {p}{' (changed)' if ch else ''}")
+        print(f"python packages → {path}{' (changed)' if changed else ''}")
+        return 0
+
+    return stage.main(STAGE, body, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

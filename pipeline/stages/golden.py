@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -16,12 +17,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline import models, paths, samples, toolchain
-from pipeline.config import Config
+from pipeline import models, paths, samples, stage
 from pipeline.data import load_set
 from pipeline.errors import KilnError
-from pipeline.manifest import (atomic_dir, build_manifest, file_digests, input_ref, manifest_path, source_info,
+from pipeline.manifest import (atomic_dir, build_manifest, file_input, manifest_path, read_verified,
                                write_bytes_atomic, write_json_atomic, write_manifest)
+
+STAGE = stage.Stage(
+    "golden", "pipeline.stages.golden", "FP32 PyTorch reference outputs on each graph's golden inputs",
+    keys=lambda cfg: list(cfg.models),
+    deps=lambda cfg, key: models.weight_deps(cfg.model(key)) + samples.deps(cfg, key, "golden"),
+    params=lambda cfg, key: [f"models.{key}", *samples.params(cfg, key)],
+    dynamic=lambda cfg, key: [models.factory_module(cfg.model(key))],
+    outs=lambda cfg, key: [stage.Out(paths.golden(key).as_posix())])
 
 
 @dataclass(frozen=True)
@@ -37,12 +45,16 @@ def _npy_bytes(a: np.ndarray) -> bytes:
 
 
 def reference_outputs(model: torch.nn.Module, feeds: Sequence[samples.Feed]) -> list[list[np.ndarray]]:
-    """Run the PyTorch model on every feed; inputs are passed in the feed's order (the forward's argument order)."""
+    """Run the PyTorch model on every feed; inputs are passed in the feed's order (the forward's argument order).
+    A reference with a NaN or infinite value is refused: every later gate would compare against garbage."""
     outs = []
     with torch.inference_mode():
-        for feed in feeds:
+        for i, feed in enumerate(feeds):
             y = model(*(torch.from_numpy(v) for v in feed.values()))
             outs.append([t.numpy() for t in (y if isinstance(y, (tuple, list)) else (y,))])
+            if not all(np.isfinite(o).all() for o in outs[-1]):
+                raise KilnError(f"the reference model produced NaN or infinite outputs on golden feed {i}",
+                                "check the model's weights (a corrupt or NaN-filled file?) and its input scaling")
     return outs
 
 
@@ -51,11 +63,9 @@ def output_names(model: torch.nn.Module) -> list[str]:
 
 
 def load_reference(directory: Path) -> tuple[list[str], list[list[np.ndarray]]]:
-    """(output names, outputs per feed) of a golden artifact."""
-    try:
-        index = json.loads((directory / "index.json").read_text())
-    except FileNotFoundError:
-        raise KilnError(f"{directory}: golden reference missing", "run `dvc repro golden`") from None
+    """(output names, outputs per feed) of a golden artifact, its files verified against its manifest first."""
+    read_verified(manifest_path(directory, directory.name), fast=True)
+    index = json.loads((directory / "index.json").read_text())
     names = index["outputs"]
     return names, [[np.load(directory / "reference" / f"{i:04d}.{n}.npy", allow_pickle=False) for n in names]
                    for i in range(index["feeds"])]
@@ -75,7 +85,7 @@ def pair_distances(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     return {k: round(v, 6) for k, v in out.items()}
 
 
-def run(cfg: Config, model_name: str, root: Path = Path(".")) -> GoldenResult:
+def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
     mcfg = cfg.model(model_name)
     model = models.build(mcfg, root)
     feeds = samples.feeds(cfg, model_name, "golden", root)
@@ -93,22 +103,37 @@ def run(cfg: Config, model_name: str, root: Path = Path(".")) -> GoldenResult:
         write_json_atomic(d / "index.json", {"inputs": list(feeds[0]), "outputs": names, "feeds": len(feeds),
                                              "feeds_xxh3_128": summary["feeds_xxh3_128"]})
         files.append(d / "index.json")
-        inputs = []
-        if mcfg.weights is not None:
-            inputs.append({"role": "weights", "path": mcfg.weights.as_posix(), **file_digests(root / mcfg.weights)})
+        inputs = [file_input("weights", root / w, root) for w in models.weight_deps(mcfg)]
+        inputs += samples.inputs(cfg, model_name, "golden", root)
         if mcfg.samples == "chips":
-            set_dir = paths.data_set("golden", root)
-            gset = load_set(set_dir)
+            gset = load_set(paths.data_set("golden", root))
             emb = np.concatenate([o[0] for o in outs])
             write_bytes_atomic(d / "embeddings.npy", _npy_bytes(emb.astype(np.float32)))
             files.append(d / "embeddings.npy")
             plain = np.array([s["augmentation"] is None for s in gset.index["samples"]])
             summary.update(plain_chips=pair_distances(emb[plain], gset.labels[plain]),
                            all_chips=pair_distances(emb, gset.labels), golden_set_xxh3_128=gset.content_hash)
-            inputs.append(input_ref("golden_set", manifest_path(set_dir, "golden"), root))
         write_manifest(d, build_manifest(
             kind="golden", name=model_name, model=model_name, precision="fp32", directory=d, files=files,
-            inputs=inputs, toolchain=toolchain.describe("torch", "numpy"),
-            build={"factory": mcfg.factory, "reference": "pytorch-eager-fp32", "samples": mcfg.samples},
-            source=source_info(root, cfg.section("models", model_name)), results=summary))
+            inputs=inputs, build={"factory": mcfg.factory, "reference": "pytorch-eager-fp32", "samples": mcfg.samples},
+            results=summary, **STAGE.identity(cfg, model_name, root)))
     return GoldenResult(out, summary)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import time
+
+    def body(args, run_) -> int:
+        t0 = time.perf_counter()
+        s = run(args.cfg, args.key).summary
+        print(f"golden@{args.key}: {s['samples']} samples in {s['feeds']} feeds → outputs {s['outputs']} "
+              f"in {time.perf_counter() - t0:.1f} s")
+        if "plain_chips" in s:
+            print(f"  L2 between un-augmented chips: {s['plain_chips']}")
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="model name from params.yaml (e.g. embedder)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,15 +1,13 @@
-"""gallery@<size> and match@<size>: FAISS gallery indexes as artifacts, chosen by gallery size and recall target.
+"""match@<size>: the FAISS gallery index of one gallery size (pipeline/stages/gallery.py), chosen by recall target.
 
-gallery@<size>  the golden embeddings enrolled (their identity labels) plus distractors drawn from a distribution
-                fitted to them (pipeline/matching/gallery.py): vectors.npy, labels.npy, distribution.json, manifest.
 match@<size>    builds every index of the sweep (params.yaml matching.sweep; one build per (kind, build params),
                 nprobe / efSearch variants reuse it), measures the curve against exact search in ONE process —
                 recall@1/@10, p50/p99 at batch 1 and 64, build time, bytes, and the memory bandwidth with the exact
                 scan's achieved fraction of it — chooses the fastest index (batch-1 p50, then bytes) meeting both
                 recall floors, gates it on the face task (golden identities' top-1 as under exact search; open-set
                 decisions at the verification threshold on the distances it returns) and writes:
-                  artifacts/index/gallery-<size>/   index.faiss + manifest (kind "index")       identity, DVC-cached
-                  artifacts/matching/gallery-<size>/validation.json   the gate verdict        cache: false
+                  artifacts/index/gallery-<size>/   index.faiss + manifest (kind "index")         DVC-cached
+                  artifacts/matching/gallery-<size>/  validation.json + manifest: the verdict  cache: false
                   artifacts/matching/gallery-<size>.curve.json        the whole curve (plot)  cache: false
 
 Why one match@ stage per size and not index@<kind>-<size> + choose@<size>: the choice compares timings, and
@@ -19,14 +17,14 @@ index (≈ 1.2 GB at 1M) although only the chosen one ships. The cost: editing o
 
 Identity vs record (pipeline/manifest.py): the index bytes, its build parameters, the training-sample hash, the
 thread count and the recall / gate numbers (pure functions of the inputs) are identity; every timing, the bandwidth
-and the whole timed curve are `record`. The choice itself follows measured latency, so a forced rebuild on a
-differently loaded machine can choose another index among near-equal ones; the manifest says which and why.
+and the whole timed curve are the run's record (artifacts/records/, and the verdict and curve files, which are not
+cached). The choice itself follows measured latency, so a rebuild on a differently loaded machine can choose
+another index among near-equal ones; the manifest says which and why (README: what is not bit-reproducible).
 """
 
 from __future__ import annotations
 
 import json
-import platform
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,99 +33,37 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import paths, toolchain
-from pipeline.config import Config, MatchingConfig
+from pipeline import paths, stage, tables
+from pipeline.config import MatchingConfig
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, identity_digest, input_ref, manifest_path,
-                               read_manifest, source_info, verify_manifest, write_json_atomic, write_manifest)
+                               read_verified, write_json_atomic, write_manifest)
 from pipeline.matching import gallery as g
 from pipeline.matching import index as ix
+from pipeline.matching.spec import IndexSpec
+from pipeline.stages.gallery import MODEL
 
-MODEL = "embedder"           # the embedder whose golden embeddings are enrolled (its verify_threshold gates)
 INDEX_FILE = "index.faiss"
-VALIDATION_FILE = "validation.json"
 K = 10
 PRECISION = {"flat": "fp32", "hnsw": "fp32", "ivf-flat": "fp32", "sq8": "int8", "ivf-pq": "pq"}
-_SEARCH_KEYS = {"hnsw": ("ef",), "ivf-flat": ("nprobe",), "ivf-pq": ("nprobe",)}
+# Only the matching keys match@ reads: adding a gallery size must not change another size's identity.
+PARAMS = ("seed", "queries", "threads", "targets", "nlist_per_sqrt_n", "max_size", "sweep", "latency")
 
-
-def index_name(size: int) -> str:
-    return f"gallery-{size}"
-
-
-def curve_path(size: int, root: Path = Path(".")) -> Path:
-    return paths.matching(index_name(size), root).with_name(f"{index_name(size)}.curve.json")
-
-
-def _mcfg(cfg: Config, size: int) -> MatchingConfig:
-    m = getattr(cfg, "matching", None)
-    if m is None:
-        raise KilnError(f"{cfg.source}: no `matching:` section", "copy it from the repository's params.yaml")
-    m.check_size(int(size))
-    return m
-
-
-def _save_npy(dest: Path, a: np.ndarray) -> None:
-    with atomic_path(dest) as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, a, allow_pickle=False)
-
-
-def _params_for_identity(cfg: Config, *keys: str) -> dict:
-    """Only the matching keys a stage uses (adding a gallery size must not change another size's identity)."""
-    section = cfg.section("matching")
-    return {k: section.get(k) for k in keys}
+STAGE = stage.Stage(
+    "match", "pipeline.stages.matching",
+    "build the index sweep, measure recall/latency/bandwidth in one run, choose, gate on identities (exit 1)",
+    keys=lambda cfg: [str(s) for s in cfg.matching.gallery_sizes],
+    deps=lambda cfg, key: [paths.gallery(int(key)).as_posix()],
+    params=lambda cfg, key: [*(f"matching.{k}" for k in PARAMS), f"models.{MODEL}.verify_threshold"],
+    outs=lambda cfg, key: [stage.Out(paths.index(int(key)).as_posix()),
+                           stage.Out(paths.matching(int(key)).as_posix(), cache=False),
+                           stage.Out(paths.curve(int(key)).as_posix(), cache=False, kind="plots",
+                                     plot={"x": "p50_ms_b1", "y": "recall@1",
+                                           "title": f"gallery {key} — recall@1 vs batch-1 p50 (ms)"})])
 
 
 def _progress(msg: str) -> None:
     print(f"  {msg}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------- gallery@<size>
-@dataclass(frozen=True)
-class GalleryResult:
-    directory: Path
-    size: int
-    enrolled: int
-    content_hash: str
-    distances: dict
-
-
-def gallery_run(cfg: Config, size: int, root: Path = Path(".")) -> GalleryResult:
-    m = _mcfg(cfg, size)
-    root = Path(root)
-    from pipeline.data import load_set
-
-    gdir, sdir = paths.golden(MODEL, root), paths.data_set("golden", root)
-    emb_path = gdir / "embeddings.npy"
-    if not emb_path.is_file():
-        raise KilnError(f"{emb_path} is missing", f"build the golden embeddings first (dvc repro golden@{MODEL})")
-    emb = np.load(emb_path, allow_pickle=False)
-    labels = load_set(sdir).labels.astype(np.int64)
-    if len(emb) != len(labels):
-        raise KilnError(f"{emb_path}: {len(emb)} embeddings but the golden set has {len(labels)} labels",
-                        f"rebuild them together (dvc repro golden@{MODEL})")
-    dist = g.fit_distribution(emb, labels)
-    vectors, glabels, digest = g.build_gallery(emb, labels, size, dist, m.seed)
-    threshold = cfg.model(MODEL).verify_threshold or 0.6
-    report = g.distance_report(vectors[len(emb):len(emb) + 1500], emb, threshold)
-    out = paths.gallery(size, root)
-    name = index_name(size)
-    with atomic_dir(out) as d:
-        _save_npy(d / "vectors.npy", vectors)
-        _save_npy(d / "labels.npy", glabels)
-        write_json_atomic(d / "distribution.json", dist)
-        inputs = [input_ref("golden_embeddings", manifest_path(gdir, MODEL), root),
-                  input_ref("golden_set", manifest_path(sdir, "golden"), root)]
-        write_manifest(d, build_manifest(
-            kind="gallery", name=name, model=MODEL, directory=d,
-            files=[d / "vectors.npy", d / "labels.npy", d / "distribution.json"], inputs=inputs,
-            toolchain=toolchain.describe("numpy"),
-            build={"size": size, "enrolled": int(len(emb)), "seed": m.seed, "chunk": g.CHUNK, "rank": dist["rank"],
-                   "shrink": dist["shrink"], "distractor_label": g.DISTRACTOR, "dtype": "float32"},
-            source=source_info(root, _params_for_identity(cfg, "seed")),
-            results={"gallery_xxh3_128": digest, "fit": dist["fit"], "distances": report}))
-    return GalleryResult(out, size, int(len(emb)), digest, report)
 
 
 # ---------------------------------------------------------------------------------------------- match@<size>
@@ -141,11 +77,6 @@ class MatchResult:
     bandwidth: dict
     failures: list[str]
     directory: Path | None
-
-
-def _build_key(sp: ix.IndexSpec) -> tuple:
-    skip = _SEARCH_KEYS.get(sp.kind, ())
-    return (sp.kind, tuple((k, v) for k, v in sp.params if k not in skip))
 
 
 def _queries(vectors: np.ndarray, labels: np.ndarray, dist: dict, m: MatchingConfig, size: int):
@@ -181,20 +112,22 @@ def face_gate(exact_ids, exact_d, ids, d, labels, qids, n_golden, threshold) -> 
 
 def choose(curve: list[dict], m: MatchingConfig) -> dict:
     """The fastest row (batch-1 p50, then bytes) with recall@1 and recall@10 at or above the floors."""
-    ok = [r for r in curve if r["recall@1"] >= m.recall_at_1_min and r["recall@10"] >= m.recall_at_10_min]
+    t = m.targets
+    ok = [r for r in curve if r["recall@1"] >= t.recall_at_1_min and r["recall@10"] >= t.recall_at_10_min]
     if not ok:
         best = max(curve, key=lambda r: (r["recall@1"], r["recall@10"]), default=None)
         got = (f"; the best was {best['index']} at recall@1 {best['recall@1']:.4f}, recall@10 {best['recall@10']:.4f}"
                if best else "")
-        raise GateFailed(f"no index of the sweep reaches recall@1 >= {m.recall_at_1_min} and recall@10 >= "
-                         f"{m.recall_at_10_min}{got}",
+        raise GateFailed(f"no index of the sweep reaches recall@1 >= {t.recall_at_1_min} and recall@10 >= "
+                         f"{t.recall_at_10_min}{got}",
                          "add a more exhaustive index (flat, or a higher nprobe / ef) to matching.sweep, or lower "
                          "matching.targets")
     return min(ok, key=lambda r: (r["p50_ms_b1"], r["bytes"]))
 
 
 def gate(row: dict, m: MatchingConfig) -> list[str]:
-    checks = [("golden_top1_agreement", m.golden_top1_agreement_min), ("decision_agreement", m.decision_agreement_min)]
+    checks = [("golden_top1_agreement", m.targets.golden_top1_agreement_min),
+              ("decision_agreement", m.targets.decision_agreement_min)]
     return [f"{row['index']}: {k} {row[k]:.6g} (limit >= {lim:g})" for k, lim in checks if not row[k] >= lim]
 
 
@@ -222,9 +155,9 @@ def measure(vectors: np.ndarray, labels: np.ndarray, dist: dict, m: MatchingConf
     exact = ix.build("flat", vectors, seed=m.seed, threads=m.threads)
     exact_d, exact_ids = ix.search(exact.index, queries, K)
 
-    groups: dict[tuple, list[ix.IndexSpec]] = defaultdict(list)
+    groups: dict[tuple, list[IndexSpec]] = defaultdict(list)
     for sp in m.specs(size):
-        groups[_build_key(sp)].append(sp)
+        groups[sp.build_key].append(sp)
     curve: list[dict] = []
     built_by_key: dict[tuple, ix.Built] = {}
     for key, variants in groups.items():
@@ -239,8 +172,8 @@ def measure(vectors: np.ndarray, labels: np.ndarray, dist: dict, m: MatchingConf
             ix.set_search_params(built.index, sp)
             dd, ids = ix.search(built.index, queries, K)
             true_d = _true_distances(vectors, queries, ids)
-            b1 = ix.search_latency(built.index, queries, 1, m.runs_b1, K, max_s=m.max_seconds)
-            b64 = ix.search_latency(built.index, queries, 64, m.runs_b64, K, max_s=m.max_seconds)
+            b1 = ix.search_latency(built.index, queries, 1, m.latency.runs_b1, K, max_s=m.latency.max_seconds)
+            b64 = ix.search_latency(built.index, queries, 64, m.latency.runs_b64, K, max_s=m.latency.max_seconds)
             row = {"index": sp.name, "kind": sp.kind, "build_s": round(built.build_s, 4), "bytes": nbytes,
                    "recall@1": ix.recall_at_k(exact_ids, ids, 1, exact_d, true_d),
                    "recall@10": ix.recall_at_k(exact_ids, ids, K, exact_d, true_d),
@@ -256,8 +189,9 @@ def measure(vectors: np.ndarray, labels: np.ndarray, dist: dict, m: MatchingConf
 
     flat_ms = next((r["p50_ms_b1"] for r in curve if r["index"] == "flat"), None)
     if flat_ms is None:
-        flat_ms = ix.search_latency(exact.index, queries, 1, m.runs_b1, K, max_s=m.max_seconds)["p50_ms"]
-    gemv_ms = ix.gemv_scan_ms(vectors, queries, runs=m.runs_b64, max_s=m.max_seconds)
+        flat_ms = ix.search_latency(exact.index, queries, 1, m.latency.runs_b1, K,
+                                    max_s=m.latency.max_seconds)["p50_ms"]
+    gemv_ms = ix.gemv_scan_ms(vectors, queries, runs=m.latency.runs_b64, max_s=m.latency.max_seconds)
     scanned = n * d * 4
     bandwidth = {"read_gbps_1thread": round(bw, 3), "bytes_scanned_per_query": scanned,
                  "flat_p50_ms_b1": flat_ms, "flat_scan_gbps": scanned / flat_ms / 1e6,
@@ -269,17 +203,15 @@ def measure(vectors: np.ndarray, labels: np.ndarray, dist: dict, m: MatchingConf
     return Measured(curve, bandwidth, queries, qids, n_golden, built_by_key)
 
 
-def match_run(cfg: Config, size: int, root: Path = Path("."), progress: Callable[[str], None] = _progress
-              ) -> MatchResult:
-    m = _mcfg(cfg, size)
+def match_run(cfg, size: int, root: Path = Path("."), progress: Callable[[str], None] = _progress) -> MatchResult:
+    m = cfg.matching
+    m.check_size(int(size))
     root = Path(root)
-    name = index_name(size)
-    threshold = cfg.model(MODEL).verify_threshold or 0.6
+    name = paths.gallery_name(size)
+    threshold = cfg.model(MODEL).verify_threshold
     gdir = paths.gallery(size, root)
     gman = manifest_path(gdir, name)
-    if problems := verify_manifest(gman):
-        raise KilnError(f"{gman}: gallery files do not match their manifest: " + "; ".join(problems),
-                        f"rebuild it (dvc repro -f gallery@{size})")
+    read_verified(gman, hint=f"rebuild it (dvc repro -f gallery@{size})")
     vectors = np.load(gdir / "vectors.npy", allow_pickle=False)
     labels = np.load(gdir / "labels.npy", allow_pickle=False)
     dist = json.loads((gdir / "distribution.json").read_text())
@@ -287,19 +219,25 @@ def match_run(cfg: Config, size: int, root: Path = Path("."), progress: Callable
         raise KilnError(f"{gdir}: {len(vectors)} vectors, expected {size}", f"rebuild it (dvc repro -f gallery@{size})")
     ms = measure(vectors, labels, dist, m, threshold, progress)
     curve, bandwidth, queries, built_by_key = ms.curve, ms.bandwidth, ms.queries, ms.built
-    targets = {"recall_at_1_min": m.recall_at_1_min, "recall_at_10_min": m.recall_at_10_min,
-               "golden_top1_agreement_min": m.golden_top1_agreement_min,
-               "decision_agreement_min": m.decision_agreement_min}
+    targets = cfg.section("matching", "targets")
+    index_dir = paths.index(size, root)
 
-    def verdict(chosen: dict | None, failures: list[str], digest: str | None) -> None:
+    def verdict(chosen: dict | None, failures: list[str], manifest_file: Path | None) -> None:
+        """The verdict (validation.json + manifest, binding it to the index) and the curve: written either way."""
         metrics = {k: v for k, v in (chosen or {}).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         metrics.update({k: v for k, v in bandwidth.items() if isinstance(v, float)})
         report = {"engine": name, "kind": "index", "verdict": "fail" if failures else "pass", "failures": failures,
                   "chosen": chosen["index"] if chosen else None, "metrics": metrics, "limits": targets,
-                  "engine_manifest_xxh3_128": digest}
-        with atomic_dir(paths.matching(name, root)) as out:
-            write_json_atomic(out / VALIDATION_FILE, report)
-        write_json_atomic(curve_path(size, root), curve)
+                  "engine_manifest_xxh3_128": identity_digest(read_verified(manifest_file)) if manifest_file else None}
+        with atomic_dir(paths.matching(size, root)) as out:
+            write_json_atomic(out / paths.VALIDATION_FILE, report)
+            write_manifest(out, build_manifest(
+                kind="validation", name=name, model=MODEL, target="faiss-cpu", directory=out,
+                files=[out / paths.VALIDATION_FILE],
+                inputs=[input_ref("index", manifest_file, root)] if manifest_file else [input_ref("gallery", gman, root)],
+                build={"gate": "recall floors + identity gate", "timings": "this run's record, not reproducible"},
+                results={"verdict": report["verdict"], "failures": failures}, **STAGE.identity(cfg, str(size), root)))
+        write_json_atomic(paths.curve(size, root), curve)
 
     try:
         chosen = choose(curve, m)
@@ -313,57 +251,47 @@ def match_run(cfg: Config, size: int, root: Path = Path("."), progress: Callable
                          "the chosen index does not find the golden identities as exact search does; raise its "
                          "nprobe / ef in matching.sweep or raise the recall floors")
 
-    sp = ix.IndexSpec.parse(chosen["index"])
-    built = built_by_key[_build_key(sp)]
+    sp = IndexSpec.parse(chosen["index"])
+    built = built_by_key[sp.build_key]
     ix.set_search_params(built.index, sp)
-    data = ix._faiss().serialize_index(built.index).tobytes()
+    data = ix.serialize(built.index)
     # the bytes must load back and answer exactly as the measured index did
-    back = ix._faiss().deserialize_index(np.frombuffer(data, np.uint8))
+    back = ix.deserialize(data)
     ix.set_search_params(back, sp)
     if not np.array_equal(ix.search(back, queries[:64], K)[1], ix.search(built.index, queries[:64], K)[1]):
         raise KilnError(f"match@{size}: the serialized {sp.name} answers differently after loading",
                         "report this FAISS behaviour; nothing was written")
-    out = paths.index(name, root)
     deterministic = {k: chosen[k] for k in ("recall@1", "recall@10", "recall@1_by_id", "golden_top1_agreement",
                                             "golden_decision_agreement", "top1_identity_agreement",
                                             "decision_agreement", "accept_rate_exact", "accept_rate", "queries",
                                             "golden_queries", "threshold")}
-    with atomic_dir(out) as dd:
+    with atomic_dir(index_dir) as dd:
         with atomic_path(dd / INDEX_FILE) as tmp:
             tmp.write_bytes(data)
-        manifest = build_manifest(
+        write_manifest(dd, build_manifest(
             kind="index", name=name, model=MODEL, target="faiss-cpu", precision=PRECISION[sp.kind], directory=dd,
             files=[dd / INDEX_FILE], inputs=[input_ref("gallery", gman, root)],
-            toolchain=toolchain.describe("faiss-cpu", "numpy"),
             build={"spec": sp.name, "kind": sp.kind, "params": sp.p, "metric": "L2", "threads": built.info["threads"],
                    "seed": built.info["seed"], "train_n": built.info["train_n"],
-                   "train_ids_xxh3_128": built.train_ids_xxh3_128, "train_xxh3_128": built.train_xxh3_128,
-                   "deterministic": True},
-            source=source_info(root, _params_for_identity(cfg, "seed", "queries", "threads", "targets",
-                                                          "nlist_per_sqrt_n", "max_size", "sweep", "latency")),
+                   "train_ids_xxh3_128": built.train_ids_xxh3_128, "train_xxh3_128": built.train_xxh3_128},
             results={"chosen": sp.name, **deterministic, "targets": targets,
                      "rule": "fastest batch-1 p50 (then fewest bytes) among indexes meeting both recall floors; "
                              "then the identity gate",
                      "recall": [{k: r[k] for k in ("index", "recall@1", "recall@10", "golden_top1_agreement",
                                                    "decision_agreement")} for r in curve]},
-            record={"curve": curve, "bandwidth": bandwidth, "host": platform.node(),
-                    "chosen_timing": {k: chosen[k] for k in ("p50_ms_b1", "p99_ms_b1", "p50_ms_b64", "p99_ms_b64",
-                                                              "build_s")}})
-        write_manifest(dd, manifest)
-    verdict(chosen, [], identity_digest(manifest))
-    return MatchResult(name, size, True, chosen, curve, bandwidth, [], out)
+            **STAGE.identity(cfg, str(size), root)))
+    verdict(chosen, [], manifest_path(index_dir, name))
+    return MatchResult(name, size, True, chosen, curve, bandwidth, [], index_dir)
 
 
 def table(curve: list[dict]) -> str:
     head = ["index", "build s", "MB", "recall@1", "recall@10", "b1 p50 ms", "b1 p99 ms", "b64 p50 ms", "b64 p99 ms",
             "b64 ms/q", "golden top-1", "decisions", ""]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in curve:
-        lines.append(f"| {r['index']} | {r['build_s']:.2f} | {r['bytes'] / 1e6:.1f} | {r['recall@1']:.4f} | "
-                     f"{r['recall@10']:.4f} | {r['p50_ms_b1']:.3f} | {r['p99_ms_b1']:.3f} | {r['p50_ms_b64']:.2f} | "
-                     f"{r['p99_ms_b64']:.2f} | {r['p50_ms_per_query_b64']:.4f} | {r['golden_top1_agreement']:.3f} | "
-                     f"{r['decision_agreement']:.4f} | {'**chosen**' if r.get('chosen') else ''} |")
-    return "\n".join(lines)
+    rows = [[r["index"], f"{r['build_s']:.2f}", f"{r['bytes'] / 1e6:.1f}", f"{r['recall@1']:.4f}",
+             f"{r['recall@10']:.4f}", f"{r['p50_ms_b1']:.3f}", f"{r['p99_ms_b1']:.3f}", f"{r['p50_ms_b64']:.2f}",
+             f"{r['p99_ms_b64']:.2f}", f"{r['p50_ms_per_query_b64']:.4f}", f"{r['golden_top1_agreement']:.3f}",
+             f"{r['decision_agreement']:.4f}", "**chosen**" if r.get("chosen") else ""] for r in curve]
+    return tables.markdown(head, rows)
 
 
 def bandwidth_line(b: dict) -> str:
@@ -371,3 +299,26 @@ def bandwidth_line(b: dict) -> str:
             f"{b['bytes_scanned_per_query'] / 1e6:.1f} MB per query: faiss Flat {b['flat_p50_ms_b1']:.3f} ms = "
             f"{b['flat_scan_gbps']:.1f} GB/s ({100 * b['flat_scan_fraction']:.0f}%), BLAS gemv "
             f"{b['gemv_p50_ms_b1']:.3f} ms = {b['gemv_scan_gbps']:.1f} GB/s ({100 * b['gemv_scan_fraction']:.0f}%)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import time
+
+    def body(args, run_) -> int:
+        t0 = time.perf_counter()
+        r = match_run(args.cfg, int(args.key))
+        c = r.chosen
+        run_.record.update(bandwidth=r.bandwidth, chosen_timing={k: c[k] for k in (
+            "p50_ms_b1", "p99_ms_b1", "p50_ms_b64", "p99_ms_b64", "build_s")})
+        print(table(r.curve))
+        print(bandwidth_line(r.bandwidth))
+        print(f"match@{args.key}: chose {c['index']} (recall@1 {c['recall@1']:.4f}, recall@10 {c['recall@10']:.4f}, "
+              f"batch-1 p50 {c['p50_ms_b1']:.3f} ms, {c['bytes'] / 1e6:.1f} MB); identity gate PASS in "
+              f"{time.perf_counter() - t0:.1f} s → {r.directory}")
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="gallery size from matching.gallery_sizes")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

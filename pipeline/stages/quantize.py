@@ -20,6 +20,8 @@ is the later validate stage.
 from __future__ import annotations
 
 import json
+import math
+import sys
 import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -29,11 +31,27 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from pipeline import paths, toolchain
-from pipeline.config import Config, Recipe
+from pipeline import paths, samples, stage
+from pipeline.config import Recipe
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, source_info, write_manifest
+from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
 from pipeline.stages.calibrate import PREPROCESS, calibration_tensors, preprocess, quantizable_op_types
+
+
+def pairs(cfg) -> dict[str, tuple[str, str]]:
+    """`<model>-<recipe>` → (model, recipe) for every quantized model × recipe."""
+    return {f"{m}-{r}": (m, r) for m in cfg.quantize.models for r in cfg.recipes}
+
+
+STAGE = stage.Stage(
+    "quantize", "pipeline.stages.quantize", "INT8 QDQ ONNX from the stored calibration, one per recipe",
+    keys=lambda cfg: list(pairs(cfg)),
+    deps=lambda cfg, key: [paths.export(pairs(cfg)[key][0]).as_posix(),
+                           paths.calibration(pairs(cfg)[key][0]).as_posix(),
+                           paths.golden(pairs(cfg)[key][0]).as_posix(),
+                           *samples.deps(cfg, pairs(cfg)[key][0], "golden")],
+    params=lambda cfg, key: [f"quantize.recipes.{pairs(cfg)[key][1]}", *samples.params(cfg, pairs(cfg)[key][0])],
+    outs=lambda cfg, key: [stage.Out(paths.quantized(*pairs(cfg)[key]).as_posix())])
 
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 _DTYPE_NAMES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8", onnx.TensorProto.INT32: "int32",
@@ -72,8 +90,9 @@ def load_ranges(path: Path) -> dict:
     """ranges.json as written by calibrate, checked for shape."""
     try:
         doc = json.loads(Path(path).read_text())
-        if not all(isinstance(r["min"], float) and isinstance(r["max"], float) for r in doc["tensors"].values()):
-            raise TypeError("min/max must be numbers")
+        if not all(isinstance(r["min"], float) and isinstance(r["max"], float) and math.isfinite(r["min"])
+                   and math.isfinite(r["max"]) for r in doc["tensors"].values()):
+            raise TypeError("min/max must be finite numbers")
     except FileNotFoundError:
         raise KilnError(f"{path}: calibration ranges not found", "run calibrate first (dvc repro calibrate)") from None
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
@@ -104,8 +123,13 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
                         f"tensors (e.g. {missing[0]!r})",
                         "the ranges belong to another graph; rebuild: dvc repro -f calibrate")
     opts = recipe_options(recipe)
-    quantizer = QDQQuantizer(model, opts["per_channel"], False, opts["weight_type"], opts["activation_type"],
-                             tensors_data(ranges), None, None, quantizable_op_types(), opts["extra_options"])
+    # QDQQuantizer is what quantize_static drives after calibrating; ORT has no public entry point that takes
+    # precomputed ranges. Keyword arguments, ORT pinned in the lock, and tests/test_calibrate_quantize.py fails
+    # loudly if the signature changes.
+    quantizer = QDQQuantizer(model=model, per_channel=opts["per_channel"], reduce_range=False,
+                             weight_qType=opts["weight_type"], activation_qType=opts["activation_type"],
+                             tensors_range=tensors_data(ranges), nodes_to_quantize=None, nodes_to_exclude=None,
+                             op_types_to_quantize=quantizable_op_types(), extra_options=opts["extra_options"])
     try:
         quantizer.quantize_model()
     except ValueError as e:
@@ -190,9 +214,8 @@ def contract(recipe: Recipe, inv: dict) -> list[str]:
     return problems
 
 
-def golden_check(cfg: Config, onnx_path: Path, root: Path, model_name: str) -> dict[str, float]:
+def golden_check(cfg, onnx_path: Path, root: Path, model_name: str) -> dict[str, float]:
     """Informational: ORT CPU on the golden inputs vs the FP32 PyTorch reference (cosine / max |Δ|)."""
-    from pipeline import samples
     from pipeline.stages.export import parity
     from pipeline.stages.golden import load_reference
 
@@ -201,7 +224,7 @@ def golden_check(cfg: Config, onnx_path: Path, root: Path, model_name: str) -> d
     return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in par.items()}
 
 
-def run(cfg: Config, model_name: str, recipe_name: str, root: Path = Path(".")) -> QuantizeResult:
+def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> QuantizeResult:
     cfg.model(model_name)
     if recipe_name not in cfg.recipes:
         raise KilnError(f"{cfg.source}: quantize.recipes: no recipe named {recipe_name!r}",
@@ -209,6 +232,8 @@ def run(cfg: Config, model_name: str, recipe_name: str, root: Path = Path(".")) 
     recipe = cfg.recipes[recipe_name]
     export_dir, cal_dir = paths.export(model_name, root), paths.calibration(model_name, root)
     cal_manifest = manifest_path(cal_dir, model_name)
+    read_verified(manifest_path(export_dir, model_name))     # a modified input is refused, not quantized
+    read_verified(cal_manifest)
     inputs = [input_ref("onnx", manifest_path(export_dir, model_name), root),
               input_ref("calibration", cal_manifest, root)]
     label = f"quantize@{model_name}-{recipe_name}"
@@ -241,7 +266,31 @@ def run(cfg: Config, model_name: str, recipe_name: str, root: Path = Path(".")) 
                    "calibration_graph_xxh3_128": digest}
         write_manifest(d, build_manifest(
             kind="onnx", name=f"{model_name}-{recipe_name}", model=model_name, precision="int8", directory=d,
-            files=[onnx_path], inputs=inputs, toolchain=toolchain.describe("onnx", "onnxruntime"), build=build,
-            source=source_info(root, {"recipe": cfg.section("quantize", "recipes", recipe_name)}),
-            results=results))
-    return QuantizeResult(out / "model.onnx", inv["quantized_ops"], inv["float_nodes"], golden, coverage)
+            files=[onnx_path], inputs=inputs, build=build, results=results,
+            **STAGE.identity(cfg, f"{model_name}-{recipe_name}", root)))
+    return QuantizeResult(out / paths.ONNX_FILE, inv["quantized_ops"], inv["float_nodes"], golden, coverage)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import time
+
+    def body(args, run_) -> int:
+        t0 = time.perf_counter()
+        model, recipe = pairs(args.cfg)[args.key]
+        r = run(args.cfg, model, recipe)
+        g = r.golden
+        print(f"quantize@{args.key}: {r.onnx_path} ({r.onnx_path.stat().st_size / 1e6:.1f} MB) in "
+              f"{time.perf_counter() - t0:.1f} s")
+        print(f"  {sum(r.quantized_ops.values())} nodes on quantized inputs ("
+              + ", ".join(f"{k}×{v}" for k, v in r.quantized_ops.items()) + f"); {len(r.float_nodes)} float"
+              + (f" ({', '.join(r.float_nodes)})" if r.float_nodes else ""))
+        print(f"  ranges for {r.ranges['with_range']}/{r.ranges['graph_tensors']} activation tensors; golden cosine "
+              f"vs PyTorch FP32 on {g['samples']} samples: min {g['cosine_min']:.5f}, mean {g['cosine_mean']:.5f} "
+              "(informational; validate gates)")
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="<model>-<recipe>, e.g. embedder-ort")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,23 +3,42 @@
 Per-sample cosine (min/mean) and L2 (max) against the FP32 PyTorch reference; identity top-1 through the golden
 gallery (the un-augmented chip of each photo) compared with the reference's top-1; same/different decisions at the
 model's verification threshold for every pair of golden chips, and the change in true- and false-accept rates.
-The verdict and every number are written either way; a failing gate then exits non-zero so the DAG stops.
+The verdict and every number are written either way, with a manifest (kind "validation") that binds them to the
+engine's identity digest, so `kiln verify` covers the verdict and promotion can check it; a failing gate then exits
+non-zero so the DAG stops. The engine is loaded only after its files verify (pipeline/engines.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from pipeline import paths, targets
-from pipeline.config import Config, ValidateConfig
-from pipeline.facemetrics import face_metrics
+from pipeline import engines, facemetrics, paths, samples, stage, targets
+from pipeline.config import ValidateConfig
 from pipeline.data import load_set, to_nchw
-from pipeline.manifest import atomic_dir, manifest_path, identity_digest, read_manifest, write_json_atomic
+from pipeline.facemetrics import face_metrics
+from pipeline.manifest import (atomic_dir, build_manifest, identity_digest, input_ref, manifest_path, read_verified,
+                               write_json_atomic, write_manifest)
 
 BATCH = 8
+
+
+def _deps(cfg, key: str) -> list[str]:
+    e = cfg.engine(key)
+    return [paths.engine(key).as_posix(), paths.golden(e.model).as_posix(), *samples.deps(cfg, e.model, "golden")]
+
+
+STAGE = stage.Stage(
+    "validate", "pipeline.stages.validate", "face-task gate against the golden reference (exit 1 stops the DAG)",
+    keys=lambda cfg: list(cfg.engines), deps=_deps,
+    params=lambda cfg, key: ["validate", f"models.{cfg.engine(key).model}",
+                             *samples.params(cfg, cfg.engine(key).model)],
+    targets=lambda cfg, key: [cfg.engine(key).target],
+    dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target)],
+    outs=lambda cfg, key: [stage.Out(paths.validation(key).as_posix())])
 
 
 @dataclass(frozen=True)
@@ -31,11 +50,7 @@ class Verdict:
 
 
 def gate(m: dict[str, float], v: ValidateConfig) -> list[str]:
-    checks = [("cosine_min", ">=", v.cosine_min), ("cosine_mean", ">=", v.cosine_mean), ("l2_max", "<=", v.l2_max),
-              ("top1_agreement", ">=", v.top1_agreement_min), ("decision_agreement", ">=", v.decision_agreement_min),
-              ("tar_delta", "<=", v.tar_delta_max), ("far_delta", "<=", v.far_delta_max)]
-    return [f"{k} {m[k]:.6g} (limit {op} {lim:g})" for k, op, lim in checks
-            if not (m[k] >= lim if op == ">=" else m[k] <= lim)]
+    return facemetrics.gate(m, asdict(v))
 
 
 def _iou(a, b) -> float:
@@ -59,12 +74,12 @@ def lfw_crops(size: int) -> tuple[np.ndarray, np.ndarray]:
     return preprocess(rgb), np.r_[np.ones(100, bool), np.zeros(len(imgs) - 100, bool)]
 
 
-def detector_metrics(cfg: Config, net: str, runner, root: Path) -> dict[str, float]:
+def detector_metrics(cfg, net: str, runner, root: Path) -> dict[str, float]:
     """Swap this net's engine into the reference (PyTorch) cascade: do the same faces come out?"""
     from pipeline.data import list_photos, load_rgb
     from pipeline.models import mtcnn
 
-    nets = mtcnn.load_nets(*paths.mtcnn_weights(root / cfg.assets_dir))
+    nets = mtcnn.load_nets(*(root / w for w in samples.reference_weights(cfg)))
     reference = [mtcnn.torch_runner(n) for n in nets]
     engine = list(reference)
     k = ("pnet", "rnet", "onet").index(net)
@@ -95,8 +110,7 @@ def detector_metrics(cfg: Config, net: str, runner, root: Path) -> dict[str, flo
     return m
 
 
-def aligner_metrics(cfg: Config, model: str, runner, root: Path) -> dict[str, float]:
-    from pipeline import samples
+def aligner_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
     from pipeline.stages.golden import load_reference
 
     _, reference = load_reference(paths.golden(model, root))
@@ -108,21 +122,17 @@ def aligner_metrics(cfg: Config, model: str, runner, root: Path) -> dict[str, fl
 
 def gate_other(kind: str, m: dict[str, float], v: ValidateConfig) -> list[str]:
     if kind == "aligner":
-        checks = [("pixel_mae", "<=", v.aligner.pixel_mae_max), ("pixel_max_abs", "<=", v.aligner.pixel_max_abs_max)]
-    else:
-        checks = [("box_iou_min", ">=", v.detector.box_iou_min), ("landmark_err_max", "<=", v.detector.landmark_err_max),
-                  ("face_agreement", ">=", v.detector.face_agreement_min),
-                  ("photos_with_other_face_count", "<=", 0)]
-    return [f"{k} {m[k]:.6g} (limit {op} {lim:g})" for k, op, lim in checks
-            if not (m[k] >= lim if op == ">=" else m[k] <= lim)]
+        return facemetrics.check(m, [("pixel_mae", "<=", "pixel_mae_max"), ("pixel_max_abs", "<=", "pixel_max_abs_max")],
+                                 asdict(v.aligner))
+    return facemetrics.check(m, [("box_iou_min", ">=", "box_iou_min"), ("landmark_err_max", "<=", "landmark_err_max"),
+                                 ("face_agreement", ">=", "face_agreement_min"),
+                                 ("photos_with_other_face_count", "<=", "none")], {**asdict(v.detector), "none": 0})
 
 
-def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> Verdict:
+def evaluate(cfg, engine_name: str, runner, root: Path = Path(".")) -> tuple[dict, list[str], dict, dict]:
+    """(metrics, failures, limits, extra) of one engine's runner on its model's face-task gate."""
     spec = cfg.engine(engine_name)
     mcfg = cfg.model(spec.model)
-    engine_dir = paths.engine(engine_name, root)
-    engine_manifest = read_manifest(manifest_path(engine_dir, engine_name))
-    runner = targets.get(spec.target).load(engine_dir)
     extra = {}
     if mcfg.samples == "chips":
         gset = load_set(paths.data_set("golden", root))
@@ -140,10 +150,56 @@ def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> Verdict:
     else:
         metrics = detector_metrics(cfg, mcfg.samples, runner, root)
         failures, limits = gate_other("detector", metrics, cfg.validate), cfg.section("validate", "detector")
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not np.isfinite(v)]
+    if bad:
+        failures = failures + [f"{k} is not finite" for k in bad]
+    return metrics, failures, limits, extra
+
+
+def run(cfg, engine_name: str, root: Path = Path(".")) -> Verdict:
+    spec = cfg.engine(engine_name)
+    engine_dir = paths.engine(engine_name, root)
+    engine_manifest = manifest_path(engine_dir, engine_name)
+    golden_manifest = manifest_path(paths.golden(spec.model, root), spec.model)
+    read_verified(golden_manifest, fast=True)
+    runner = engines.load(spec.target, engine_dir, engine_name)
+    metrics, failures, limits, extra = evaluate(cfg, engine_name, runner, root)
+    metrics = {k: round(v, 7) if isinstance(v, float) else v for k, v in metrics.items()}
     report = {"engine": engine_name, "verdict": "fail" if failures else "pass", "failures": failures,
-              "metrics": {k: round(v, 7) if isinstance(v, float) else v for k, v in metrics.items()},
-              "limits": limits, "engine_manifest_xxh3_128": identity_digest(engine_manifest), **extra}
+              "metrics": metrics, "limits": limits,
+              "engine_manifest_xxh3_128": identity_digest(read_verified(engine_manifest, fast=True)), **extra}
     out = paths.validation(engine_name, root)
     with atomic_dir(out) as d:
-        write_json_atomic(d / "validation.json", report)
+        write_json_atomic(d / paths.VALIDATION_FILE, report)
+        inputs = [input_ref("engine", engine_manifest, root), input_ref("golden", golden_manifest, root)]
+        if cfg.model(spec.model).samples == "chips":
+            inputs += samples.inputs(cfg, spec.model, "golden", root)
+        write_manifest(d, build_manifest(
+            kind="validation", name=engine_name, model=spec.model, target=spec.target, precision=spec.precision,
+            directory=d, files=[d / paths.VALIDATION_FILE], inputs=inputs, build={"gate": "face-task"},
+            results={"verdict": report["verdict"], "failures": failures},
+            **STAGE.identity(cfg, engine_name, root)))
     return Verdict(engine_name, not failures, metrics, failures)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.errors import GateFailed
+
+    def body(args, run_) -> int:
+        v = run(args.cfg, args.key)
+        m = v.metrics
+        keys = [k for k in ("cosine_min", "cosine_mean", "l2_max", "top1_agreement", "decision_agreement",
+                            "tar_delta", "far_delta", "box_iou_min", "landmark_err_max", "face_agreement",
+                            "pixel_mae", "pixel_max_abs") if k in m]
+        print(f"validate@{args.key}: {'PASS' if v.passed else 'FAIL'}  " +
+              "  ".join(f"{k} {m[k]:.5g}" for k in keys))
+        if not v.passed:
+            raise GateFailed(f"validate@{args.key}: " + "; ".join(v.failures),
+                             "the engine is not equivalent to the reference on the face task; see validation.json")
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="engine name from params.yaml `engines:`")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
