@@ -1,11 +1,12 @@
 """End to end: photo → faces → chips → embeddings → identities, on the built engines of one target.
 
-The four graphs (detector nets, aligner, embedder) run as compiled engines through the target protocol; only the
-glue between them (pyramid, NMS, box maths, the landmark→template fit, the nearest-neighbour search) is numpy.
-`System.eager()` builds the same system from the PyTorch reference modules, for comparison.
+The four graphs (detector nets, aligner, embedder) run as compiled engines through the target protocol, each
+loaded only after its files verify against its manifest (pipeline/engines.py); only the glue between them
+(pyramid, NMS, box maths, the landmark→template fit) is numpy. `System.eager()` builds the same system from the
+PyTorch reference modules, for comparison.
 
 Matching is a brute-force L2 search over a gallery enrolled from the golden set's un-augmented chips with the
-system's own embedder, until a matching index artifact is plugged in.
+system's own embedder, or (`use_index`) the chosen FAISS index of a gallery size, verified before it is read.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import paths, targets
+from pipeline import engines, paths
 from pipeline.config import Config
 from pipeline.data import load_set, to_nchw
 from pipeline.errors import KilnError
@@ -59,7 +60,7 @@ class System:
         With `release_dir`, each engine is instead its MLflow `production` version, downloaded there and verified
         against its checksums (what a release engineer ships), rather than the local build.
         """
-        chosen, dirs = {}, {}
+        chosen, dirs, names = {}, {}, {}
         for model in ("pnet", "rnet", "onet", "aligner", "embedder"):
             options = [e for e in cfg.engines_of(model) if e.target == target]
             pick = next((e for e in options if e.precision == precision), None) or \
@@ -68,15 +69,16 @@ class System:
                 raise KilnError(f"no {target} engine for {model!r} in params.yaml `engines:`",
                                 f"add one (e.g. {model}-{target}-fp32) and build it: dvc repro")
             if release_dir is not None:
-                from pipeline import registry
+                from pipeline.registry import fetch_release
 
-                dirs[model], version = registry.fetch_release(cfg, pick.name, release_dir / pick.name, root)
+                names[model] = pick.name
+                dirs[model], version = fetch_release(cfg, pick.name, release_dir / pick.name, root)
                 chosen[model] = f"{pick.name}@production(v{version})"
                 continue
             if not paths.engine(pick.name, root).is_dir():
                 raise KilnError(f"engine {pick.name} is not built", f"build it first: dvc repro compile@{pick.name}")
-            dirs[model], chosen[model] = paths.engine(pick.name, root), pick.name
-        runners = {m: targets.get(target).load(d) for m, d in dirs.items()}
+            dirs[model], chosen[model], names[model] = paths.engine(pick.name, root), pick.name, pick.name
+        runners = {m: engines.load(target, d, names[m]) for m, d in dirs.items()}
         nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m]) for m in NETS)
         return cls(f"{target}-{precision}", nets,
                    lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0],
@@ -117,18 +119,21 @@ class System:
 
     def use_index(self, size: int, root: Path = Path(".")) -> None:
         """Match through the chosen FAISS index of the `size` gallery (golden identities + distractors)."""
-        from pipeline.manifest import manifest_path, read_manifest
+        from pipeline.manifest import manifest_path, read_verified
         from pipeline.matching import index as ix
+        from pipeline.matching.spec import IndexSpec
 
-        name = f"gallery-{size}"
-        d = paths.index(name, root)
-        if not (d / "index.faiss").is_file():
+        name = paths.gallery_name(size)
+        d = paths.index(size, root)
+        if not manifest_path(d, name).is_file():
             raise KilnError(f"{d}: no matching index for a {size} gallery", f"build it: dvc repro match@{size}")
-        built = ix._faiss().read_index(str(d / "index.faiss"))
-        ix.set_search_params(built, ix.spec(read_manifest(manifest_path(d, name))["build"]["spec"]))
+        spec = read_verified(manifest_path(d, name), fast=True)["build"]["spec"]
+        read_verified(manifest_path(paths.gallery(size, root), name), fast=True)
+        built = ix.deserialize((d / "index.faiss").read_bytes())
+        ix.set_search_params(built, IndexSpec.parse(spec))
         labels = np.load(paths.gallery(size, root) / "labels.npy", allow_pickle=False)
         self.index = (built, labels, load_set(paths.data_set("golden", root)).identities)
-        self.engines["matching"] = f"{name} ({read_manifest(manifest_path(d, name))['build']['spec']})"
+        self.engines["matching"] = f"{name} ({spec})"
 
     def identify(self, rgb: np.ndarray, exclude: int | None = None) -> list[Match]:
         """Faces in `rgb`, best first; `exclude` drops one gallery entry (leave-one-out checks)."""

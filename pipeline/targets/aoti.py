@@ -8,11 +8,11 @@ CPU's ISA, so the ISA flags are rebuild keys, with the torch and compiler versio
 
 Reproducibility: Inductor writes the absolute build path into the package (a "Compile cmd" comment in the
 generated C++, the path-derived kernel file name, and the `.so`'s debug info and build-id), and the archive's
-top folder is the package file's stem; so the build runs in a fixed directory (`artifacts/.aoti-build`, removed
-afterwards) rather than a random temp dir, and the package is always `model.pt2`. Measured (torch 2.13, gcc 12):
-two compiles in fresh processes at the same path gave identical bytes; at different paths they differ (54 bytes of
-C++ comments, kernel names, 5948 bytes of the .so). A compile takes 20–50 s, so the compile stage does not rebuild
-to check: the target declares what was measured (`deterministic`, with its basis) in the engine manifest.
+top folder is the package file's stem. So every build runs in one fixed absolute directory outside any checkout
+(`/tmp/kiln-aoti-build-<uid>`, private to the user, locked, removed afterwards) and the package is always
+`model.pt2`: the bytes then depend neither on the checkout's path nor on the temp directory. A compile takes
+20–50 s, so the compile stage does not rebuild to check; the target claims bit-identical builds and
+`kiln rebuild-check compile@<engine>` proves it in a fresh process (CI runs it for the embedder).
 Precompiled headers are off (they are written to <tmp>/torchinductor_<user> whatever the cache dir, ~300 MB).
 
 Audit: the package carries the generated C++ wrapper and kernel sources, so the audit reads them: calls to
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import stat
 import os
 import re
 import shutil
@@ -35,17 +36,19 @@ import zipfile
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Annotated, Iterator
 
 import numpy as np
 
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
 from pipeline import toolchain
 from pipeline.errors import KilnError
-from pipeline.targets.base import CompileOptions, OpSupport, Toolchain
+from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
 
 PACKAGE_FILE = "model.pt2"
 OPTIONS_FILE = "options.json"
-BUILD_DIR = ".aoti-build"
+BUILD_ROOT = Path("/tmp")           # fixed on purpose: the absolute build path ends up in the package's bytes
 PRECISIONS = ("fp32",)
 # Precompiled headers (~300 MB of .gch) only pay across many builds sharing a cache; ours is private and deleted.
 DEFAULT_INDUCTOR = {"aot_inductor.precompile_headers": False}
@@ -84,64 +87,115 @@ def _first_line(cmd: list[str]) -> str:
     return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
 
 
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " ".join(sorted(line.partition(":")[2].split()))
+    except OSError:
+        pass
+    return ""
+
+
+def _cached(key: list[str], compute) -> dict:
+    """`compute()`'s JSON result, kept in $KILN_CACHE/probe/ under a digest of `key` (what it depends on)."""
+    import hashlib
+
+    from pipeline.manifest import write_json_atomic
+
+    path = toolchain.kiln_cache() / "probe" / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        pass
+    value = compute()
+    if "error" not in value:
+        write_json_atomic(path, value)
+    return value
+
+
+def _inductor_flags(cxx: str) -> dict:
+    """The vector ISA Inductor picks on this CPU and the compile flags it would use (imports torch: seconds)."""
+    try:
+        from torch._inductor import cpp_builder, cpu_vec_isa
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+    except ImportError as e:
+        return {"error": str(e)}
+    with tempfile.TemporaryDirectory(prefix="kiln-aoti-probe-") as tmp, temporary_cache_dir(tmp):
+        isa = cpu_vec_isa.pick_vec_isa()  # compiles tiny ISA-check kernels into the cache dir: keep them private
+    try:
+        opts = cpp_builder.CppTorchOptions(vec_isa=isa, aot_mode=True, compiler=cxx)
+        return {"vec_isa": str(isa) or "none", "cflags": opts.get_cflags(),
+                "definitions": [d.strip() for d in opts.get_definitions()], "ldflags": opts.get_ldflags(),
+                "libraries": opts.get_libraries()}
+    except Exception as e:  # private API: say what failed rather than break the probe
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0     # torch.set_num_threads at compile and at load
+    inductor: dict[str, object] = {}                          # extra torch._inductor configs for the compile
+
+
 class AotiCpu:
     name = "aoti-cpu"
-    source_kind = "program"   # compiles artifacts/program/<model>, not an ONNX file
-    cheap_rebuild = False     # 20–50 s per compile: the stage does not compile twice to check reproducibility
-    deterministic = True      # measured: byte-identical across fresh processes at the same build path (see above)
+    reproducibility = Reproducibility(
+        "bit-identical", checked_at_compile=False, bound=1e-5,
+        basis="built in one fixed absolute directory (/tmp/kiln-aoti-build-<uid>); a compile takes 20-50 s, so "
+              "`kiln rebuild-check compile@<engine>` proves it on demand rather than on every compile")
+
+    def parse_options(self, raw: dict) -> Options:
+        return validate_options(Options, raw, self.name)
 
     # ------------------------------------------------------------------------------------------ probe
     def probe(self) -> Toolchain:
-        try:
-            import torch
-            from torch._inductor import config as ind_config
-            from torch._inductor import cpp_builder, cpu_vec_isa
-        except ImportError as e:
-            return Toolchain(self.name, False, f"torch with Inductor not importable: {e}")
-        cxx = cpp_builder.get_cpp_compiler()
+        """Versions from package metadata and `<cxx> --version`; Inductor's ISA choice and compiler flags (which
+        need torch imported and test kernels compiled, seconds) are cached per torch + compiler + CPU flags."""
+        torch_version = toolchain.version("torch")
+        if torch_version == "absent":
+            return Toolchain(self.name, False, "torch is not installed")
+        cxx = os.environ.get("CXX") or "g++"      # Inductor's default (torch._inductor.config.cpp.cxx)
         path = shutil.which(cxx)
         if path is None:
             return Toolchain(self.name, False, f"C++ compiler {cxx!r} not found (install g++ or set CXX)")
-        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-        with tempfile.TemporaryDirectory(prefix="kiln-aoti-probe-") as tmp, temporary_cache_dir(tmp):
-            isa = cpu_vec_isa.pick_vec_isa()  # compiles tiny ISA-check kernels into the cache dir: keep them private
-        try:
-            opts = cpp_builder.CppTorchOptions(vec_isa=isa, aot_mode=True, compiler=cxx)
-            flags = {"cflags": opts.get_cflags(), "definitions": [d.strip() for d in opts.get_definitions()],
-                     "ldflags": opts.get_ldflags(), "libraries": opts.get_libraries()}
-        except Exception as e:  # private API: record what failed rather than break the probe
-            flags = {"error": f"{type(e).__name__}: {e}"}
+        cxx_version = _first_line([path, "--version"])
         host = toolchain.cpu()
+        derived = _cached(["aoti-flags", torch_version, cxx, cxx_version, host["machine"], _cpu_flags()],
+                          lambda: _inductor_flags(cxx))
+        if "error" in derived:
+            return Toolchain(self.name, False, f"torch with Inductor not usable: {derived['error']}")
         return Toolchain(
             self.name, True,
-            rebuild_on={"torch": str(torch.__version__), "cxx_version": _first_line([path, "--version"]),
-                        "vec_isa": str(isa) or "none", "cxx_flags": flags.get("cflags", []),
-                        "isa": host["isa"], "machine": host["machine"]},
+            rebuild_on={"torch": torch_version, "cxx_version": cxx_version, "vec_isa": derived["vec_isa"],
+                        "cxx_flags": derived["cflags"], "isa": host["isa"], "machine": host["machine"]},
             info={"cpu": host["cpu"], "cxx": cxx, "cxx_path": os.path.realpath(path),
-                  "cxx_config": list(ind_config.cpp.cxx), "march_config": ind_config.cpp.march,
                   "flags_source": "torch._inductor.cpp_builder.CppTorchOptions(vec_isa=pick_vec_isa(), "
-                                  "aot_mode=True).get_cflags()/get_definitions()/get_ldflags()/get_libraries()",
-                  "definitions": flags.get("definitions", []), "ldflags": flags.get("ldflags", []),
-                  "libraries": flags.get("libraries", []), **({"flags_error": flags["error"]} if "error" in flags
-                                                               else {}),
-                  **toolchain.versions("numpy")})
+                                  "aot_mode=True); cached per torch, compiler and CPU flags",
+                  **{k: derived[k] for k in ("definitions", "ldflags", "libraries")}})
 
     # ------------------------------------------------------------------------------------------ compile
     @staticmethod
     @contextmanager
-    def _build_dir(artifacts_dir: Path) -> Iterator[Path]:
-        """A fixed, locked, private build directory: Inductor's cache and every temp file go here, then it goes.
+    def _build_dir() -> Iterator[Path]:
+        """The fixed, locked, private build directory: Inductor's cache and every temp file go here, then it goes.
 
-        Fixed (not random) because Inductor embeds the build path in the package bytes; under artifacts/ but not
-        under artifacts/engines, which the bench stage hashes as a dependency.
-        """
+        Fixed (not random, not under the checkout) because Inductor embeds the build path in the package bytes.
+        Owned by this user with mode 0700, else refused (another user must not plant files in our build)."""
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        artifacts_dir.mkdir(parents=True, exist_ok=True)
-        with open(artifacts_dir / f"{BUILD_DIR}.lock", "w") as lock:
+        base = BUILD_ROOT / f"kiln-aoti-build-{os.getuid()}"
+        try:
+            base.mkdir(mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise KilnError(f"{base}: cannot create the AOTInductor build directory ({e})", "check /tmp") from None
+        st = os.lstat(base)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise KilnError(f"{base}: not a private directory of this user (a link, another owner, or group/other "
+                            "access)", f"remove it (rm -rf {base}) and compile again")
+        with open(base / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            build = artifacts_dir / BUILD_DIR
+            build = base / "build"
             shutil.rmtree(build, ignore_errors=True)  # a killed earlier build
             (build / "tmp").mkdir(parents=True)
             saved_tmp, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
@@ -150,10 +204,10 @@ class AotiCpu:
 
             saved_headers = codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR
             # fixed at import to <tmp>/torchinductor_<user>/precompiled_headers, ignoring TORCHINDUCTOR_CACHE_DIR
-            codecache._HEADER_DIR = str((build / "headers").resolve())
-            codecache._HEADER_LOCK_DIR = str((build / "headers" / "locks").resolve())
+            codecache._HEADER_DIR = str(build / "headers")
+            codecache._HEADER_LOCK_DIR = str(build / "headers" / "locks")
             try:
-                with temporary_cache_dir(str((build / "cache").resolve())):
+                with temporary_cache_dir(str(build / "cache")):
                     yield build
             finally:
                 codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = saved_headers
@@ -164,21 +218,21 @@ class AotiCpu:
                     os.environ["TMPDIR"] = saved_env
                 shutil.rmtree(build, ignore_errors=True)
 
-    def compile(self, source: Path, options: CompileOptions, out: Path) -> list[Path]:
+    def compile(self, source: Path, options: CompileOptions, out: Path, workdir: Path) -> list[Path]:
         import torch
 
         if options.precision not in PRECISIONS:
             raise KilnError(f"{self.name}: precision {options.precision!r} is not supported",
                             f"use {', '.join(PRECISIONS)} for {self.name} (INT8 needs a PT2E-quantized program)")
-        threads = int(options.options.get("threads", 0))
-        inductor = {**DEFAULT_INDUCTOR, **options.options.get("inductor", {})}
+        threads = options.options.threads
+        inductor = {**DEFAULT_INDUCTOR, **options.options.inductor}
         ep = torch.export.load(str(source))
         package = out / PACKAGE_FILE
         saved_threads = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)  # Inductor sizes its parallel loops for the threads it sees
         try:
-            with self._build_dir(out.resolve().parent.parent):
+            with self._build_dir():
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(package),
                                                          inductor_configs=inductor)
         except KilnError:
@@ -194,16 +248,24 @@ class AotiCpu:
         return [package, out / OPTIONS_FILE]
 
     def manifest_extras(self, engine_dir: Path) -> dict:
-        """What the compile stage records beside the files (hook in stages/compile.py)."""
+        """What the compile stage records beside the files."""
         src = self.sources(engine_dir)
         meta = json.loads(src["metadata"]) if "metadata" in src else {}
-        return {"build": {"deterministic": self.deterministic,
-                          "deterministic_basis": "declared by the target: two compiles in fresh processes at the "
-                                                 "same build path gave identical bytes; the absolute build path "
-                                                 "is embedded, so another checkout path gives other bytes",
-                          "build_dir": f"artifacts/{BUILD_DIR}"},
+        return {"build": {"build_dir": f"{BUILD_ROOT}/kiln-aoti-build-<uid>/build"},
                 "results": {"package": {"cpu_isa": meta.get("AOTI_CPU_ISA"), "device": meta.get("AOTI_DEVICE_KEY"),
                                         "generated_cpp_bytes": sum(len(src.get(k, "")) for k in ("wrapper", "kernel"))}}}
+
+    def check_package(self, engine_dir: Path) -> None:
+        """Refuse a package whose entries could escape the loader's extraction directory (absolute paths, `..`,
+        backslashes, links) before torch's loader extracts it."""
+        with zipfile.ZipFile(engine_dir / PACKAGE_FILE) as z:
+            for info in z.infolist():
+                name = info.filename
+                parts = name.replace("\\", "/").split("/")
+                is_link = stat.S_ISLNK(info.external_attr >> 16)
+                if name.startswith("/") or "\\" in name or ".." in parts or ":" in parts[0] or is_link:
+                    raise KilnError(f"{engine_dir / PACKAGE_FILE}: unsafe entry {name!r} in the package",
+                                    "do not load it: rebuild the engine (dvc repro -f compile@<engine>)")
 
     # ------------------------------------------------------------------------------------------ audit
     @staticmethod
@@ -271,7 +333,7 @@ class AotiRunner:
         if opts.get("threads"):
             torch.set_num_threads(int(opts["threads"]))
         self._torch = torch
-        self.model = torch._inductor.aoti_load_package(str(engine_dir / opts.get("package", PACKAGE_FILE)))
+        self.model = torch._inductor.aoti_load_package(str(engine_dir / PACKAGE_FILE))
 
     def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Inputs in the feed's order (the program's argument order) → every output."""

@@ -1,11 +1,21 @@
-"""The target protocol: one module per compiler target behind four calls.
+"""The target protocol: one module per compiler target, one class, everything a stage may ask of it.
 
-    probe()   → Toolchain        versions + device, or unavailable with a one-line reason
-    compile() → list[Path]       engine files written into a directory
-    audit()   → OpSupport        which compute nodes run natively in the requested precision, which fell back
-    load()    → Runner           Runner.run(batch) -> first output; Runner.run_all(feed) -> every output
+    name                    the params.yaml / registry key
+    parse_options(raw)      validate the target's own params (`targets.<name>` less enabled/fallback_policy)
+    probe()       → Toolchain   versions + device as `rebuild_on`, or unavailable with a one-line reason; cheap
+    compile(src, options, out, workdir) → list[Path]   engine files written into `out`
+    audit(engine_dir, precision) → OpSupport   which compute nodes run natively, which fell back
+    load(engine_dir) → Runner   Runner.run(batch) → first output; Runner.run_all(feed) → every output
+    manifest_extras(engine_dir) → {"build": …, "results": …}   what the engine carries beside its files
+    check_package(engine_dir)   refuse a package whose contents could escape extraction (before `load`)
+    reproducibility → Reproducibility   the class of equivalence the target promises between two builds, and
+                                        whether compile proves it by rebuilding in a fresh process
 
-Optional toolchains are imported lazily inside a target, so a missing one never breaks `import pipeline`.
+What a target compiles (its `source_kind`) is in the registry (pipeline/targets/__init__.py), so params can be
+checked without importing a toolchain. Optional toolchains are imported lazily inside a target, so a missing one
+never breaks `import pipeline`. Loading an engine runs native code (ONNX Runtime kernels on a graph we wrote;
+an AOTInductor package is a shared library): `pipeline/engines.py` verifies the files against their manifest,
+in a private copy, before any target's `load` sees them.
 """
 
 from __future__ import annotations
@@ -15,6 +25,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from pipeline.errors import KilnError
+
+# Equivalence classes between two builds of one engine, strongest first (kiln rebuild-check classifies into these).
+CLASSES = ("bit-identical", "numerically-equivalent", "task-equivalent", "different")
 
 
 @dataclass(frozen=True)
@@ -30,6 +45,24 @@ class Toolchain:
             return f"{self.target}: unavailable ({self.reason})"
         return f"{self.target}: available (" + ", ".join(f"{k} {v}" for k, v in self.rebuild_on.items()
                                                      if not isinstance(v, list)) + ")"
+
+
+@dataclass(frozen=True)
+class Reproducibility:
+    """What a target promises about two builds from the same inputs, and how compile checks it.
+
+    claim: one of CLASSES[:3]. checked_at_compile: compile rebuilds in a fresh process and fails below the claim
+    (cheap targets); otherwise `kiln rebuild-check compile@<engine>` proves it on demand (CI runs it).
+    bound: largest |Δ| on the golden feeds that still counts as numerically equivalent."""
+
+    claim: str
+    checked_at_compile: bool
+    bound: float = 0.0
+    basis: str = ""
+
+    def __post_init__(self) -> None:
+        if self.claim not in CLASSES[:3]:
+            raise ValueError(f"unknown reproducibility claim {self.claim!r}")
 
 
 @dataclass(frozen=True)
@@ -52,7 +85,7 @@ class OpSupport:
 @dataclass(frozen=True)
 class CompileOptions:
     precision: str                  # fp32 | fp16 | int8
-    options: dict[str, Any]         # target options from params.yaml
+    options: Any                    # the target's validated options (its `options()` result)
 
 
 class Runner(Protocol):
@@ -63,17 +96,40 @@ class Runner(Protocol):
 
 class Target(Protocol):
     name: str
+    reproducibility: Reproducibility
+
+    def parse_options(self, raw: dict[str, Any]) -> Any: ...    # KilnError naming `targets.<name>.<key>`
 
     def probe(self) -> Toolchain: ...
 
-    def compile(self, onnx: Path, options: CompileOptions, out: Path) -> list[Path]: ...
+    def compile(self, source: Path, options: CompileOptions, out: Path, workdir: Path) -> list[Path]: ...
 
     def audit(self, engine_dir: Path, precision: str) -> OpSupport: ...
 
     def load(self, engine_dir: Path) -> Runner: ...
 
+    def manifest_extras(self, engine_dir: Path) -> dict[str, Any]: ...
 
-def synthetic_feed(kind: str, input_shape: tuple[int, ...], batch: int, seed: int = 0) -> Feed:
+    def check_package(self, engine_dir: Path) -> None: ...   # refuse an unsafe package before `load` extracts it
+
+
+def validate_options(model: type, raw: dict[str, Any], target: str) -> Any:
+    """A target's pydantic options model applied to its params; errors name `targets.<target>.<key>`."""
+    from pydantic import ValidationError
+
+    try:
+        return model(**raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "union[")))
+        if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+            raise KilnError(f"targets.{target}.{key}: unknown option",
+                            "check the spelling against the repository's params.yaml") from None
+        raise KilnError(f"targets.{target}.{key}: {err['msg'].rstrip('.')} (got {err.get('input')!r})",
+                        "fix the value in params.yaml") from None
+
+
+def synthetic_feed(kind: str, input_shape: tuple[int, ...], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A synthetic feed of `batch` samples with realistic value ranges, for latency (not accuracy) measurement."""
     rng = np.random.default_rng(seed)
     if kind == "aligner":  # one image of input_shape, `batch` faces to cut out of it

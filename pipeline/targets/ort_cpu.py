@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from pipeline import toolchain
-from pipeline.errors import KilnError
-from pipeline.targets.base import CompileOptions, OpSupport, Toolchain
+from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
 from pipeline.targets.canonical import canonicalize
 
 ENGINE_FILE = "model.onnx"
@@ -28,10 +29,27 @@ FLOAT_COMPUTE = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGem
 HEAVY = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "ConvTranspose"}
 
 
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    graph_optimization: Literal["basic", "extended", "all"] = "all"   # offline; `all` may use this CPU's layouts
+    threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0             # intra-op threads; 0 = ORT's default
+    spin: StrictBool = False                                           # idle intra-op threads spin-wait?
+
+
 class OrtCpu:
     name = "ort-cpu"
-    source_kind = "onnx"  # compiles artifacts/export/<model> or artifacts/quantized/<model>-<recipe>
-    cheap_rebuild = True  # compiling takes < 1 s, so the compile stage checks byte-reproducibility every time
+    # compiling takes ~1 s, so the compile stage rebuilds in a fresh process and compares bytes every time
+    reproducibility = Reproducibility("bit-identical", checked_at_compile=True, bound=1e-6,
+                                      basis="offline-optimized graph, canonicalized (targets/canonical.py)")
+
+    def parse_options(self, raw: dict) -> Options:
+        return validate_options(Options, raw, self.name)
+
+    def manifest_extras(self, engine_dir: Path) -> dict:
+        return {}
+
+    def check_package(self, engine_dir: Path) -> None:
+        """An ONNX file and a JSON file: nothing is extracted, so nothing to check beyond their digests."""
 
     def probe(self) -> Toolchain:
         try:
@@ -43,43 +61,38 @@ class OrtCpu:
         host = toolchain.cpu()
         return Toolchain(self.name, True,
                          rebuild_on={"onnxruntime": ort.__version__, "isa": host["isa"], "machine": host["machine"]},
-                         info={"cpu": host["cpu"], "providers": ort.get_available_providers(),
-                               **toolchain.versions("onnx", "numpy")})
+                         info={"cpu": host["cpu"], "providers": ort.get_available_providers()})
 
     @staticmethod
-    def _session_options(options: dict, optimized_out: Path | None = None):
+    def _session_options(options: Options, optimized_out: Path | None = None):
         import onnxruntime as ort
 
-        level = options.get("graph_optimization", "all")
-        if level not in LEVELS:
-            raise KilnError(f"targets.ort-cpu.graph_optimization: unknown level {level!r}",
-                            f"use one of {', '.join(LEVELS)}")
         so = ort.SessionOptions()
-        so.intra_op_num_threads = int(options.get("threads", 0))
+        so.intra_op_num_threads = options.threads
         so.inter_op_num_threads = 1
         # Idle intra-op threads spin by default; with several sessions in one process (the e2e system runs five)
         # on 2 cores they steal each other's time. Off unless params say otherwise.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.get("spin", False) else "0")
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.log_severity_level = 3  # the hardware-specific-layout warning is expected and recorded in the manifest
         if optimized_out is None:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # already optimized offline
         else:
-            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[options.graph_optimization])
             so.optimized_model_filepath = str(optimized_out)
         return so
 
-    def compile(self, onnx: Path, options: CompileOptions, out: Path) -> list[Path]:
+    def compile(self, source: Path, options: CompileOptions, out: Path, workdir: Path) -> list[Path]:
         import onnx as onnx_lib
         import onnxruntime as ort
 
         engine = out / ENGINE_FILE
-        ort.InferenceSession(str(onnx), self._session_options(options.options, engine),
+        ort.InferenceSession(str(source), self._session_options(options.options, engine),
                              providers=["CPUExecutionProvider"])
         onnx_lib.save(canonicalize(onnx_lib.load(str(engine))), str(engine))  # same model → same bytes
+        o = options.options
         session = {"providers": ["CPUExecutionProvider"], "precision": options.precision,
-                   "graph_optimization": options.options.get("graph_optimization", "all"),
-                   "threads": int(options.options.get("threads", 0)), "spin": bool(options.options.get("spin", False)),
+                   "graph_optimization": o.graph_optimization, "threads": o.threads, "spin": o.spin,
                    "load_with_optimization": "disabled"}
         (out / SESSION_FILE).write_text(json.dumps(session, sort_keys=True, indent=1) + "\n")
         return [engine, out / SESSION_FILE]
@@ -115,9 +128,9 @@ class OrtRunner:
 
         session = json.loads((engine_dir / SESSION_FILE).read_text())
         self.session = ort.InferenceSession(str(engine_dir / ENGINE_FILE),
-                                            OrtCpu._session_options({"threads": session["threads"],
-                                                                     "spin": session.get("spin", False)}),
-                                            providers=session["providers"])
+                                            OrtCpu._session_options(Options(threads=session["threads"],
+                                                                            spin=session.get("spin", False))),
+                                            providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
 
     def run(self, batch: np.ndarray) -> np.ndarray:

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import KilnError
-from pipeline.targets.base import CompileOptions, OpSupport, Toolchain
+from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain
 
 ENGINE_FILE = "engine.plan"
 BUILD_FILE = "build.json"
@@ -220,7 +220,8 @@ def check_loadable(engine_manifest: dict[str, Any], current: dict[str, Any]) -> 
     if current.get("available") is False:
         return LoadDecision(False, [f"tensorrt unavailable here ({current.get('reason', 'unknown')})"])
     now = current.get("rebuild_on", current)
-    built = engine_manifest.get("toolchain", {})
+    chain = engine_manifest.get("toolchain", {})
+    built = chain.get("target.tensorrt", chain)        # stage manifests keep a target's keys under target.<name>
     options = (engine_manifest.get("build") or {}).get("options") or {}
     vc = bool(options.get("version_compatible", False))
     hw = options.get("hardware_compatibility", "none")
@@ -441,8 +442,14 @@ def _root_of(out: Path) -> Path:
 
 class TensorRT:
     name = "tensorrt"
-    source_kind = "onnx"   # compiles artifacts/export (fp32, fp16) or artifacts/quantized/<model>-symmetric (int8)
-    cheap_rebuild = False  # a build takes minutes and is not byte-reproducible: no second compile to compare
+    # compiles artifacts/export (fp32, fp16) or artifacts/quantized/<model>-symmetric (int8)
+    reproducibility = Reproducibility("task-equivalent", checked_at_compile=False, bound=1e-2, basis=EQUIVALENCE)
+
+    def check_package(self, engine_dir: Path) -> None:
+        """A serialized plan is deserialized by TensorRT itself (check_loadable first); nothing is extracted."""
+
+    def parse_options(self, raw: dict[str, Any]) -> "TrtOptions":
+        return TrtOptions.parse(raw)
 
     def probe(self) -> Toolchain:
         trt, reason = _status()
@@ -467,8 +474,9 @@ class TensorRT:
                             "pass the engine directory or the ONNX the engine is built from")
         return static_audit(onnx_path, precision).support
 
-    def compile(self, onnx: Path, options: CompileOptions, out: Path) -> list[Path]:  # pragma: no cover - GPU
-        opts = TrtOptions.parse(options.options)
+    def compile(self, onnx: Path, options: CompileOptions, out: Path,
+                workdir: Path) -> list[Path]:  # pragma: no cover - GPU
+        opts = options.options
         model = prepare_onnx(Path(onnx), options.precision)
         from pipeline.targets import trt_rules
 
@@ -541,7 +549,7 @@ class TensorRT:
         """What compile.py merges into the engine manifest: build record + inspector summary."""
         build = json.loads((Path(engine_dir) / BUILD_FILE).read_text())
         insp = json.loads((Path(engine_dir) / INSPECTOR_FILE).read_text())
-        return {"build": {"deterministic": False, "equivalence": EQUIVALENCE,
+        return {"build": {"equivalence": EQUIVALENCE,
                           "builder_optimization_level": build["plan"]["builder_optimization_level"],
                           "plan": build["plan"], "onnx_parsed_sha256": build["onnx_parsed_sha256"],
                           "precision_source": build["precision_source"]},
@@ -551,12 +559,12 @@ class TensorRT:
                             "timing_cache": build["timing_cache"]}}
 
     def load(self, engine_dir: Path) -> "TrtRunner":  # pragma: no cover - needs TensorRT + GPU
-        from pipeline.manifest import find_manifests
+        from pipeline.manifest import find_manifests, read_manifest
 
         manifests = find_manifests(Path(engine_dir))
         if not manifests:
             raise KilnError(f"{engine_dir}: no engine manifest", "rebuild: dvc repro compile")
-        decision = check_loadable(json.loads(manifests[0].read_text()), self.probe().__dict__)
+        decision = check_loadable(read_manifest(manifests[0]), self.probe().__dict__)
         if not decision:
             raise KilnError(f"{engine_dir}: engine not loadable on this host: " + "; ".join(decision.reasons),
                             "rebuild it here from the ONNX (dvc repro), never load a mismatched plan")
@@ -583,10 +591,19 @@ class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
         self.stream = torch.cuda.Stream()
 
     def run(self, batch: np.ndarray) -> np.ndarray:
+        return self.run_all({self.inputs[0]: batch})[0]
+
+    def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Named inputs (in the engine's input order when names differ) → every output, in binding order."""
         torch, eng, ctx = self.torch, self.engine, self.ctx
-        x = torch.from_numpy(np.ascontiguousarray(batch)).to("cuda", self.dtypes[eng.get_tensor_dtype(self.inputs[0])])
-        ctx.set_input_shape(self.inputs[0], tuple(x.shape))
-        ctx.set_tensor_address(self.inputs[0], x.data_ptr())
+        if set(feed) != set(self.inputs):
+            feed = dict(zip(self.inputs, feed.values()))
+        keep = []
+        for name in self.inputs:
+            x = torch.from_numpy(np.ascontiguousarray(feed[name])).to("cuda", self.dtypes[eng.get_tensor_dtype(name)])
+            ctx.set_input_shape(name, tuple(x.shape))
+            ctx.set_tensor_address(name, x.data_ptr())
+            keep.append(x)
         outs = {}
         for n in self.outputs:
             t = torch.empty(tuple(ctx.get_tensor_shape(n)), dtype=self.dtypes[eng.get_tensor_dtype(n)], device="cuda")
@@ -596,4 +613,4 @@ class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError("TensorRT enqueue failed")
         self.stream.synchronize()
-        return outs[self.outputs[0]].float().cpu().numpy()
+        return [outs[n].float().cpu().numpy() for n in self.outputs]

@@ -1,0 +1,61 @@
+"""Rebuild one stage in a fresh process, in a scratch project whose inputs are the real ones (linked, read-only use).
+
+The scratch root holds a copy of the params file, the toolchain fingerprints the stage tracks and links to each
+of its data deps; the stage's own command runs there with this checkout's code. What it writes stays in the scratch
+root, so the real artifacts are never touched. compile@ uses it to prove an engine reproducible; `kiln
+rebuild-check` (pipeline/rebuild.py) uses it for any stage and classifies what differs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pipeline import paths, stage
+from pipeline.errors import KilnError
+from pipeline.manifest import file_digests, read_manifest
+
+
+def rebuild(spec: stage.Stage, cfg, key: str | None, root: Path = Path("."),
+            args: tuple[str, ...] = ()) -> tempfile.TemporaryDirectory:
+    """Run `spec`'s command for `key` in a fresh scratch root; return it (the caller cleans it up)."""
+    root = Path(root).resolve()
+    tmp = tempfile.TemporaryDirectory(prefix=f"kiln-rebuild-{spec.group}-")
+    scratch = Path(tmp.name)
+    try:
+        shutil.copyfile(cfg.source, scratch / "params.yaml")
+        needed = [*(paths.toolchain_file(t) for t in spec.targets(cfg, key)), Path(stage.PYTHON_TOOLCHAIN)]
+        for rel in needed:
+            if (root / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(root / rel, scratch / rel)
+        for dep in spec.deps(cfg, key):
+            src, dst = root / dep, scratch / dep
+            if not src.exists():
+                raise KilnError(f"{src}: input of {spec.name(key)} missing", f"build it first: dvc repro {spec.name(key)}")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(src, dst)
+        cmd = [sys.executable, "-m", spec.module, "--params", "params.yaml", *args, *([key] if key else [])]
+        r = subprocess.run(cmd, cwd=scratch, env=stage.cli_env(scratch), capture_output=True, text=True)
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["?"])
+            raise KilnError(f"{spec.name(key)}: the rebuild in a fresh process failed: {last[-1][:300]}",
+                            f"run it directly to see why: kiln {spec.group} {key or ''}".rstrip())
+    except BaseException:
+        tmp.cleanup()
+        raise
+    return tmp
+
+
+def differing_files(manifest_file: Path, other_dir: Path) -> list[str]:
+    """Files the manifest lists whose bytes differ in `other_dir` (same relative paths), or are missing there."""
+    out = []
+    for entry in read_manifest(manifest_file)["files"]:
+        other = Path(other_dir) / entry["path"]
+        if not other.is_file() or file_digests(other)["sha256"] != entry["sha256"]:
+            out.append(entry["path"])
+    return out
