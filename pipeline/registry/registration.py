@@ -1,0 +1,281 @@
+"""register@<engine> and register-index@<size>: log an artifact and its verdict to MLflow, once per content digest.
+
+An engine (or a gallery's chosen FAISS index, registered as what it is: kind "index") is logged as an MLflow
+LoggedModel holding its files, its manifest, its verdict (validation.json + manifest) and, when present, its bench
+metrics and the record of its build (git commit, host), and registered as a version of `kiln-<name>`.
+
+* Idempotent by content: a version whose `sha256` equals the artifact's content digest is reused; nothing new is
+  logged. The check and the write run under the model's registry lock (pipeline/registry/client.py), so eight
+  concurrent registrations of one engine make one version, on SQLite and on a tracking server alike.
+* The digests a version will be checked against (content, manifest, verdict manifest) are logged as run
+  parameters, which MLflow never lets anyone change; tags are conveniences for search and display.
+* Only a passing verdict makes a `candidate`. A failed artifact is refused unless `allow_failed`, and is then
+  registered without an alias, its verdict tag `fail`, with a warning.
+* The receipt (pipeline/stages/register.py) names what was registered by content only; the version number and
+  tracking URI belong to one registry and go to the stage's record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import paths
+from pipeline.errors import GateFailed, KilnError
+from pipeline.manifest import (canonical_json, identity_digest, manifest_path, read_manifest, verify_manifest,
+                               write_json_atomic)
+from pipeline.registry.client import Registry, errors, redact, registered_name
+from pipeline.registry.releases import CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, now, record_move
+
+BENCH_FILE = "bench.json"
+RECORD_FILE = "build-record.json"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    name: str                 # registered model
+    version: int
+    sha256: str
+    tracking_uri: str         # redacted
+    new: bool
+    verdict: str
+    manifest_xxh3_128: str
+    validation_manifest_xxh3_128: str
+
+    def content(self) -> dict[str, str]:
+        """What was registered, by content only: identical in every registry and every clone."""
+        return {"registered_model": self.name, "sha256": self.sha256, "manifest_xxh3_128": self.manifest_xxh3_128,
+                "validation_manifest_xxh3_128": self.validation_manifest_xxh3_128, "verdict": self.verdict}
+
+
+@dataclass(frozen=True)
+class Registrable:
+    """What gets registered: an artifact directory (files + manifest) and its verdict directory."""
+
+    kind: str                 # engine | index
+    name: str                 # engine name, or gallery-<size>
+    directory: Path
+    verdict_dir: Path
+    tags: dict[str, str]      # descriptive: model/target/precision/recipe, or spec/size
+    metrics: dict[str, Any] = field(default_factory=dict)
+    record: dict[str, Any] | None = None     # the build's record (commit, host), when this host built it
+
+    @property
+    def manifest_file(self) -> Path:
+        return manifest_path(self.directory, self.name)
+
+    @property
+    def verdict_manifest(self) -> Path:
+        return manifest_path(self.verdict_dir, self.name)
+
+
+def artifact_digest(manifest: dict[str, Any]) -> str:
+    """sha256 over the sorted (path, sha256) pairs of the manifest's files: the artifact's content identity."""
+    pairs = sorted([f["path"], f["sha256"]] for f in manifest["files"])
+    return hashlib.sha256(canonical_json(pairs)).hexdigest()
+
+
+def _metric_key(name: str) -> str:
+    """MLflow accepts only alphanumerics, _ - . / space (and : off Windows) in metric names."""
+    return re.sub(r"[^/\w.\- ]", "_", name)
+
+
+def _metrics(prefix: str, values: dict[str, Any]) -> dict[str, float]:
+    return {_metric_key(f"{prefix}.{k}"): float(v) for k, v in values.items()
+            if not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)}
+
+
+def _flat(prefix: str, value: Any) -> dict[str, str]:
+    """Nested dict → {"a.b.c": str}; lists and other non-strings as canonical JSON (truncated to MLflow's limits)."""
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for k, v in sorted(value.items()):
+            out.update(_flat(f"{prefix}.{k}" if prefix else str(k), v))
+        return out
+    return {prefix: (value if isinstance(value, str) else canonical_json(value).decode())[:5000]}
+
+
+# ---------------------------------------------------------------------------------------------- what to register
+def engine_registrable(cfg, engine_name: str, root: Path = Path(".")) -> Registrable:
+    from pipeline import stage
+
+    spec = cfg.engine(engine_name)
+    bench = {}
+    bench_file = paths.bench(spec.model, root) / paths.BENCH_FILE
+    if bench_file.is_file():
+        try:
+            bench = (json.loads(bench_file.read_text()).get("engines") or {}).get(engine_name) or {}
+        except (ValueError, AttributeError):
+            raise KilnError(f"{bench_file}: not valid bench results", f"rerun dvc repro -f bench@{spec.model}") from None
+    tags = {"engine": engine_name, "model": spec.model, "target": spec.target, "precision": spec.precision}
+    if spec.recipe:
+        tags["recipe"] = spec.recipe
+    return Registrable("engine", engine_name, paths.engine(engine_name, root), paths.validation(engine_name, root),
+                       tags, bench, stage.read_record(f"compile@{engine_name}", root))
+
+
+def index_registrable(cfg, size: int, root: Path = Path(".")) -> Registrable:
+    from pipeline import stage
+
+    cfg.matching.check_size(size)
+    name = paths.gallery_name(size)
+    gate = paths.matching(size, root) / paths.VALIDATION_FILE
+    metrics = {}
+    if gate.is_file():
+        metrics = {k: v for k, v in (json.loads(gate.read_text()).get("metrics") or {}).items()
+                   if k.startswith(("p50", "p99", "build", "bytes", "recall"))}
+    return Registrable("index", name, paths.index(size, root), paths.matching(size, root),
+                       {"gallery": name, "size": str(size), "model": "embedder", "target": "faiss-cpu"}, metrics,
+                       stage.read_record(f"match@{size}", root))
+
+
+def _check(art: Registrable, root: Path) -> tuple[dict, dict, dict]:
+    """(manifest, verdict manifest, validation.json) of a local artifact, everything verified and consistent."""
+    stage = "compile@" + art.name if art.kind == "engine" else "match@" + art.name.removeprefix("gallery-")
+    manifest = read_manifest(art.manifest_file)
+    if manifest.get("kind") != art.kind or manifest.get("name") != art.name:
+        raise KilnError(f"{art.manifest_file}: describes {manifest.get('kind')} {manifest.get('name')!r}, not "
+                        f"{art.kind} {art.name!r}", f"rebuild it (dvc repro -f {stage})")
+    for key in ("model", "target", "precision"):
+        if key in art.tags and manifest.get(key) != art.tags[key]:
+            raise KilnError(f"{art.manifest_file}: {key} is {manifest.get(key)!r}, params.yaml says {art.tags[key]!r}",
+                            f"the artifact is stale; rebuild it (dvc repro {stage})")
+    # Only the artifact's own files: its inputs may legitimately be absent on a runner that pulled just the engine.
+    if problems := verify_manifest(art.manifest_file):
+        raise GateFailed(f"{art.name}: files do not match their manifest: " + "; ".join(problems),
+                         f"rebuild it (dvc repro -f {stage}) or restore it (dvc checkout)")
+    vfile = art.verdict_dir / paths.VALIDATION_FILE
+    if not art.verdict_manifest.is_file():
+        raise KilnError(f"{art.verdict_manifest}: missing; {art.name} has no verdict to register",
+                        f"validate it first (dvc repro {'validate@' + art.name if art.kind == 'engine' else stage})")
+    vmanifest = read_manifest(art.verdict_manifest)
+    if problems := verify_manifest(art.verdict_manifest):
+        raise GateFailed(f"{art.name}: its verdict does not match its manifest (edited?): " + "; ".join(problems),
+                         "validate it again (dvc repro -f validate@<engine>)")
+    verdict = json.loads(vfile.read_text())
+    ident = identity_digest(manifest)
+    refs = [r.get("xxh3_128") for r in vmanifest.get("inputs", []) if r.get("role") in ("engine", "index")]
+    if verdict.get("engine_manifest_xxh3_128") != ident or ident not in refs:
+        raise KilnError(f"{vfile}: validated a different build of {art.name}",
+                        f"the artifact changed since its validation; rerun it (dvc repro {stage})")
+    if verdict.get("verdict") not in ("pass", "fail"):
+        raise KilnError(f"{vfile}: no pass/fail verdict", "validate it again")
+    return manifest, vmanifest, verdict
+
+
+# ---------------------------------------------------------------------------------------------- register
+def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool = False) -> Receipt:
+    """Register `art` once per content digest. A failed verdict is refused unless allowed."""
+    root = Path(root)
+    manifest, vmanifest, verdict = _check(art, root)
+    if verdict["verdict"] != "pass" and not allow_failed:
+        raise GateFailed(f"{art.name}: its validation failed ({'; '.join(verdict.get('failures') or [])[:300]}); "
+                         "not registered", "fix it, or register it deliberately with --allow-failed (no alias)")
+    name, digest = registered_name(cfg, art.name), artifact_digest(manifest)
+    reg = Registry(cfg, root)
+    with errors(reg.uri):
+        with reg.lock(name):
+            existing = reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = '{digest}'")
+            if existing:
+                version, new = min(int(v.version) for v in existing), False
+            else:
+                version, new = _log_and_register(reg, cfg, art, name, manifest, vmanifest, verdict, digest), True
+    if new and verdict["verdict"] != "pass":
+        print(f"kiln: WARNING: {name} v{version} registered with a FAILED validation (--allow-failed); it has no "
+              "alias and `kiln promote` will refuse it", file=sys.stderr)
+    return Receipt(name, version, digest, redact(reg.uri), new, verdict["verdict"], identity_digest(manifest),
+                   identity_digest(vmanifest))
+
+
+def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest: dict, vmanifest: dict,
+                      verdict: dict, digest: str) -> int:
+    from mlflow.entities import LoggedModelOutput, Metric, Param
+    from mlflow.exceptions import MlflowException
+
+    client = reg.client
+    eid = reg.experiment_id(cfg.register.experiment)
+    ident, vident = identity_digest(manifest), identity_digest(vmanifest)
+    record = art.record or {}
+    tags = {**art.tags, "kind": art.kind, "sha256": digest, "xxh3_128": ident, "validation": verdict["verdict"],
+            "git_commit": str((record.get("git") or {}).get("commit", "unrecorded (restored from a cache)")),
+            "dirty": str((record.get("git") or {}).get("dirty", "unknown")).lower(),
+            **_flat("toolchain", manifest.get("toolchain") or {})}
+    immutable = {PARAM + "artifact": art.name, PARAM + "kind": art.kind, PARAM + "sha256": digest,
+                 PARAM + "manifest_xxh3_128": ident, PARAM + "validation_manifest_xxh3_128": vident,
+                 PARAM + "verdict": verdict["verdict"], PARAM + "params_sha256": (manifest.get("params") or {}).get(
+                     "sha256", "")}
+    params = {**immutable, **_flat("build", manifest.get("build") or {})}
+    for ref in manifest.get("inputs") or []:
+        params[f"input.{ref.get('role', 'input')}"] = str(ref.get("xxh3_128", ""))
+    run_tags = dict(tags)
+    if dvc_stage := os.environ.get("DVC_STAGE"):
+        run_tags["dvc_stage"] = dvc_stage
+    run = client.create_run(eid, run_name=art.name, tags=run_tags)
+    run_id, model_id = run.info.run_id, None
+    try:
+        client.log_batch(run_id, params=[Param(k, v) for k, v in sorted(params.items())])
+        lm = client.create_logged_model(eid, name=art.name, source_run_id=run_id, tags=tags, params=params,
+                                        model_type=f"kiln-{art.kind}")
+        model_id = lm.model_id
+        with tempfile.TemporaryDirectory(prefix="kiln-register-") as tmp:
+            staged = Path(tmp)
+            for entry in manifest["files"]:
+                _link_or_copy(art.directory / entry["path"], staged / entry["path"])
+            _link_or_copy(art.manifest_file, staged / art.manifest_file.name)
+            _link_or_copy(art.verdict_dir / paths.VALIDATION_FILE, staged / KILN_DIR / paths.VALIDATION_FILE)
+            _link_or_copy(art.verdict_manifest, staged / KILN_DIR / art.verdict_manifest.name)
+            if art.metrics:
+                write_json_atomic(staged / KILN_DIR / BENCH_FILE, {"artifact": art.name, "metrics": art.metrics})
+            if art.record:
+                write_json_atomic(staged / KILN_DIR / RECORD_FILE, art.record)
+            client.log_model_artifacts(model_id, str(staged))
+        client.finalize_logged_model(model_id, "READY")
+        ts = int(time.time() * 1000)
+        values = {**_metrics("validation", verdict.get("metrics") or {}), **_metrics("bench", art.metrics)}
+        if values:
+            client.log_batch(run_id, metrics=[Metric(k, v, ts, 0, model_id=model_id, run_id=run_id)
+                                              for k, v in sorted(values.items())])
+        client.log_outputs(run_id, [LoggedModelOutput(model_id, step=0)])
+        client.set_terminated(run_id, "FINISHED")
+    except BaseException:
+        try:
+            if model_id:
+                client.finalize_logged_model(model_id, "FAILED")
+            client.set_terminated(run_id, "FAILED")
+        except MlflowException:
+            pass
+        raise
+    try:
+        client.create_registered_model(name, tags={k: art.tags[k] for k in art.tags if k in
+                                                   ("model", "target", "precision", "gallery")} | {"kind": art.kind},
+                                       description=f"Kiln {art.kind} {art.name}")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    # = mlflow.register_model(f"models:/{model_id}", name, tags=tags), minus its global client and its chatter
+    mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
+    version = int(mv.version)
+    if verdict["verdict"] == "pass":
+        previous = reg.aliases(name).get(CANDIDATE)
+        client.set_registered_model_alias(name, CANDIDATE, str(version))
+        record_move(reg, AliasMove(name, CANDIDATE, previous, version, "register", actor_name(), now(),
+                                   f"registered {art.name} sha256 {digest[:12]} (validation pass)"))
+    return version
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

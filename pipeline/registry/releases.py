@@ -1,0 +1,279 @@
+"""Aliases of registered versions: the verified download, promote, rollback, history.
+
+* Every alias move (candidate on register, promote, rollback) is appended to the experiment `kiln-releases` as one
+  run tagged with who, when, from, to, alias, action and reason — MLflow keeps no alias history — and moves of one
+  model run under its registry lock, so concurrent promotes and rollbacks serialize and the history stays a
+  consistent stack (promote pushes, rollback pops).
+* `promote` moves `production` only to a version whose *stored* artifacts prove it: the version's files are
+  downloaded and checked against the stored manifest; the manifest, the stored validation.json and its manifest
+  against the digests logged as the version's run parameters at registration (run parameters cannot be changed
+  afterwards, unlike tags); and the verdict is read from that verified validation.json, never from a tag. Editing
+  a tag, a stored file, a manifest or the verdict is refused.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pipeline import paths
+from pipeline.errors import GateFailed, KilnError
+from pipeline.manifest import check_files, identity_digest, manifest_path, read_manifest
+from pipeline.registry.client import Registry, errors, redact, registered_name
+
+RELEASES_EXPERIMENT = "kiln-releases"
+PRODUCTION, CANDIDATE = "production", "candidate"
+KILN_DIR = "kiln"            # validation.json, its manifest, bench metrics and the build record inside a version
+PARAM = "kiln."              # run parameters holding the digests a version is checked against
+
+
+@dataclass(frozen=True)
+class AliasMove:
+    """One move of an alias, as recorded in the `kiln-releases` experiment."""
+
+    name: str
+    alias: str
+    from_version: int | None
+    to_version: int
+    action: str               # register | promote | rollback
+    actor: str
+    at: str                   # UTC ISO 8601, microseconds
+    reason: str
+    changed: bool = True      # False: the alias already pointed there, nothing was moved or recorded
+
+
+def actor_name(actor: str | None = None) -> str:
+    if actor:
+        return actor
+    if env := os.environ.get("KILN_ACTOR"):
+        return env
+    try:
+        return getpass.getuser()
+    except Exception:  # noqa: BLE001 — no passwd entry (containers) and no LOGNAME/USER
+        return "unknown"
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+# ---------------------------------------------------------------------------------------------- history
+def record_move(reg: Registry, move: AliasMove) -> AliasMove:
+    """Append one alias move to the releases experiment and stamp the target version with it."""
+    eid = reg.experiment_id(RELEASES_EXPERIMENT)
+    tags = {"model": move.name, "alias": move.alias, "action": move.action, "to_version": str(move.to_version),
+            "from_version": "" if move.from_version is None else str(move.from_version), "actor": move.actor,
+            "at": move.at, "reason": move.reason}
+    run = reg.client.create_run(eid, run_name=f"{move.action} {move.name}@{move.alias} → v{move.to_version}",
+                                tags=tags)
+    reg.client.set_terminated(run.info.run_id, "FINISHED")
+    for key, value in ((f"{move.alias}_at", move.at), (f"{move.alias}_by", move.actor),
+                       (f"{move.alias}_release_run", run.info.run_id)):
+        reg.client.set_model_version_tag(move.name, str(move.to_version), key, value)
+    return move
+
+
+def moves(reg: Registry, name: str) -> list[AliasMove]:
+    exp = reg.client.get_experiment_by_name(RELEASES_EXPERIMENT)
+    if exp is None:
+        return []
+    quoted = name.replace("'", "\\'")
+    runs, token = [], None
+    while True:
+        page = reg.client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{quoted}'",
+                                      max_results=1000, page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    out = []
+    for r in runs:
+        t = r.data.tags
+        if r.info.status != "FINISHED" or "to_version" not in t:
+            continue
+        out.append((t.get("at", ""), r.info.start_time or 0, AliasMove(
+            name=t["model"], alias=t["alias"], action=t.get("action", ""), actor=t.get("actor", ""),
+            at=t.get("at", ""), reason=t.get("reason", ""), to_version=int(t["to_version"]),
+            from_version=int(t["from_version"]) if t.get("from_version") else None)))
+    return [m for _, _, m in sorted(out, key=lambda x: (x[0], x[1]))]
+
+
+def production_stack(history: list[AliasMove]) -> list[int]:
+    """Production versions as a stack: promote pushes, rollback pops back to the one below."""
+    stack: list[int] = []
+    for m in history:
+        if m.alias != PRODUCTION:
+            continue
+        if m.action == "rollback" and len(stack) >= 2 and stack[-2] == m.to_version:
+            stack.pop()
+        else:
+            stack.append(m.to_version)
+    return stack
+
+
+def history(cfg, name: str, root: Path = Path("."), alias: str | None = None) -> list[AliasMove]:
+    """Every recorded alias move of a registered model (or engine name), oldest first."""
+    name = registered_name(cfg, name)
+    reg = Registry(cfg, root)
+    with errors(reg.uri):
+        found = moves(reg, name)
+    return [m for m in found if alias is None or m.alias == alias]
+
+
+# ---------------------------------------------------------------------------------------------- verified download
+@dataclass(frozen=True)
+class Verified:
+    directory: Path           # the downloaded version
+    manifest: dict[str, Any]  # the artifact's manifest, verified
+    verdict: dict[str, Any]   # its validation.json, verified
+    params: dict[str, str]    # the immutable digests it was checked against
+
+
+def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Verified:
+    """Download a version into `dst` and prove it: files vs stored manifest, manifest and verdict vs the digests
+    logged as run parameters at registration. Any mismatch is a GateFailed naming the item."""
+    import json
+
+    from mlflow.artifacts import download_artifacts
+
+    mv = reg.version(name, version)
+    params = dict(reg.client.get_run(mv.run_id).data.params) if mv.run_id else {}
+    need = ("sha256", "manifest_xxh3_128", "validation_manifest_xxh3_128", "artifact")
+    if missing := [k for k in need if PARAM + k not in params]:
+        raise GateFailed(f"{name} v{version}: its run has no {PARAM}{missing[0]} parameter; it was not registered by "
+                         "this kiln", "register the engine again with `kiln register` (or kiln registry sync)")
+    local = Path(download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst),
+                                    tracking_uri=reg.engine_uri, registry_uri=reg.engine_uri))
+    artifact = params[PARAM + "artifact"]
+    paths.slug(artifact, "stored artifact name")
+    problems: list[str] = []
+
+    def read(path: Path, what: str) -> dict[str, Any]:
+        try:
+            return read_manifest(path)
+        except KilnError as e:
+            raise GateFailed(f"{name} v{version}: stored {what} unreadable: {e.message.replace(str(local) + os.sep, '')}",
+                             "the artifact store was altered; do not ship it") from None
+
+    manifest = read(manifest_path(local, artifact), "manifest")
+    problems += check_files(manifest_path(local, artifact), manifest)
+    from pipeline.registry.registration import artifact_digest
+
+    if (d := artifact_digest(manifest)) != params[PARAM + "sha256"]:
+        problems.append(f"stored manifest's content digest is {d}, registered {params[PARAM + 'sha256']}")
+    if (d := identity_digest(manifest)) != params[PARAM + "manifest_xxh3_128"]:
+        problems.append(f"stored manifest's identity digest is {d}, registered {params[PARAM + 'manifest_xxh3_128']}")
+    vdir = local / KILN_DIR
+    vmanifest = read(manifest_path(vdir, artifact), "validation manifest")
+    problems += check_files(manifest_path(vdir, artifact), vmanifest)
+    if (d := identity_digest(vmanifest)) != params[PARAM + "validation_manifest_xxh3_128"]:
+        problems.append(f"stored validation manifest's digest is {d}, registered "
+                        f"{params[PARAM + 'validation_manifest_xxh3_128']}")
+    try:
+        verdict = json.loads((vdir / paths.VALIDATION_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise GateFailed(f"{name} v{version}: stored {paths.VALIDATION_FILE} unreadable ({e})",
+                         "the artifact store was altered; do not ship it") from None
+    if verdict.get("engine_manifest_xxh3_128") != identity_digest(manifest):
+        problems.append("the stored validation is about another build (engine digest mismatch)")
+    refs = [r.get("xxh3_128") for r in vmanifest.get("inputs", []) if r.get("role") in ("engine", "index")]
+    if identity_digest(manifest) not in refs:
+        problems.append("the stored validation manifest does not reference this artifact")
+    if problems:
+        shown = [p.replace(str(local) + os.sep, "") for p in problems]
+        raise GateFailed(f"{name} v{version}: stored artifacts do not match their registered digests (tampered or "
+                         "corrupted): " + "; ".join(shown),
+                         "do not ship it; register the engine again from a verified build (kiln verify, kiln register)")
+    return Verified(local, manifest, verdict, params)
+
+
+def check_version(reg: Registry, name: str, version: int) -> str:
+    """Gate one version for production: every stored file verified, and its verified verdict is pass."""
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
+        v = download_verified(reg, name, version, Path(tmp))
+        if v.verdict.get("verdict") != "pass":
+            raise GateFailed(f"{name} v{version}: its stored validation verdict is {v.verdict.get('verdict')!r}, not "
+                             "'pass'; refusing to promote", "fix the engine, rebuild and validate it, register the new "
+                             "version, and promote that")
+        tag = (reg.version(name, version).tags or {}).get("validation")
+        note = "" if tag in (None, "pass") else f" (its `validation` tag says {tag!r}; the stored verdict rules)"
+        return f"validation pass (stored, digest-checked), {len(v.manifest['files'])} file(s) verified{note}"
+
+
+def fetch_release(cfg, engine_name: str, dst: Path, root: Path = Path(".")) -> tuple[Path, int]:
+    """The `production` version of an engine, downloaded into `dst` and verified. Returns (engine dir, version)."""
+    reg = Registry(cfg, root)
+    name = registered_name(cfg, engine_name)
+    with errors(reg.uri):
+        reg.require_model(name)
+        version = reg.aliases(name).get(PRODUCTION)
+        if version is None:
+            raise KilnError(f"{name}: no production version", f"promote one first: kiln promote {name} VERSION")
+        v = download_verified(reg, name, version, Path(dst))
+        if v.verdict.get("verdict") != "pass":
+            raise GateFailed(f"{name} v{version}: production version's stored verdict is not pass",
+                             f"roll it back: kiln rollback {name}")
+    return v.directory, version
+
+
+# ---------------------------------------------------------------------------------------------- moves
+def _move(reg: Registry, name: str, version: int, action: str, actor: str | None, reason: str | None,
+          summary: str) -> AliasMove:
+    current = reg.aliases(name).get(PRODUCTION)
+    who, at = actor_name(actor), now()
+    if current == version:
+        return AliasMove(name, PRODUCTION, current, version, action, who, at, reason or "already production",
+                         changed=False)
+    reg.client.set_registered_model_alias(name, PRODUCTION, str(version))
+    return record_move(reg, AliasMove(name, PRODUCTION, current, version, action, who, at,
+                                      reason or f"{action} v{version}: {summary}"))
+
+
+def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: str | None = None,
+            reason: str | None = None) -> AliasMove:
+    """Move `production` to `version` of registered model `name` (or engine name) after proving it."""
+    name = registered_name(cfg, name)
+    try:
+        version = int(str(version).removeprefix("v"))
+    except ValueError:
+        raise KilnError(f"version must be a number, got {version!r}", "e.g. kiln promote NAME 3") from None
+    reg = Registry(cfg, root)
+    with errors(reg.uri):
+        reg.require_model(name)
+        with reg.lock(name):
+            summary = check_version(reg, name, version)
+            return _move(reg, name, version, "promote", actor, reason, summary)
+
+
+def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
+             reason: str | None = None) -> AliasMove:
+    """Move `production` back to the version it held before the current one (per the recorded history)."""
+    name = registered_name(cfg, name)
+    reg = Registry(cfg, root)
+    with errors(reg.uri):
+        reg.require_model(name)
+        with reg.lock(name):
+            stack = production_stack(moves(reg, name))
+            current = reg.aliases(name).get(PRODUCTION)
+            if current is None:
+                raise KilnError(f"{name}: nothing is in production, so there is nothing to roll back",
+                                f"promote a version first (kiln promote {name} VERSION)")
+            if not stack or stack[-1] != current:
+                raise KilnError(f"{name}: production is v{current}, but the release history says "
+                                f"{'v' + str(stack[-1]) if stack else 'nothing'}; the alias was moved outside kiln",
+                                f"promote the intended version explicitly (kiln promote {name} VERSION)")
+            if len(stack) < 2:
+                raise KilnError(f"{name}: v{current} is the first production version; there is no earlier one",
+                                f"promote a specific version instead (kiln promote {name} VERSION)")
+            target = stack[-2]
+            summary = check_version(reg, name, target)
+            return _move(reg, name, target, "rollback", actor, reason, summary)
+
+
+__all__ = ["AliasMove", "CANDIDATE", "PRODUCTION", "RELEASES_EXPERIMENT", "check_version", "download_verified",
+           "fetch_release", "history", "promote", "record_move", "redact", "rollback"]
