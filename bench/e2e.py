@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeline import config
+from pipeline import config, tables
 from pipeline.data import list_photos, load_rgb
 from pipeline.e2e import STAGES, System
 
@@ -55,12 +55,12 @@ def main() -> int:
                     samples[(s.name, name)]["total"].append(sum(s.timings.values()))
         print(f"round {r + 1}/{args.repeats + 2}", file=sys.stderr)
     cols = [*STAGES, "total"]
-    print("| system | scenario | faces | " + " | ".join(f"{c} p50" for c in cols) + " | total p95 | ms/face |")
-    print("|---" * (len(cols) + 5) + "|")
+    rows = []
     for (sname, scen_name), st in samples.items():
         p50 = {c: np.percentile(st[c], 50) for c in cols}
-        print(f"| {sname} | {scen_name} | {faces[scen_name]} | " + " | ".join(f"{p50[c]:.1f}" for c in cols) +
-              f" | {np.percentile(st['total'], 95):.1f} | {p50['total'] / max(faces[scen_name], 1):.1f} |")
+        rows.append([sname, scen_name, faces[scen_name], *(f"{p50[c]:.1f}" for c in cols),
+                     f"{np.percentile(st['total'], 95):.1f}", f"{p50['total'] / max(faces[scen_name], 1):.1f}"])
+    print(tables.markdown(["system", "scenario", "faces", *(f"{c} p50" for c in cols), "total p95", "ms/face"], rows))
     engines = {s.name: s.engines for s in systems}
     print("\nengines:", engines)
     return 0

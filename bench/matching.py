@@ -41,17 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     cfg = config.load(a.params)
     m = cfg.matching
-    if m is None:
-        raise KilnError(f"{a.params}: no matching: section")
-    sizes = tuple(a.sizes) or m.sizes
-    m = replace(m, sizes=sizes, threads=a.threads or m.threads,
-                recall_at_1_min=a.target if a.target is not None else m.recall_at_1_min)
-    threshold = cfg.model(st.MODEL).verify_threshold or 0.6
+    sizes = tuple(a.sizes) or m.gallery_sizes
+    m = replace(m, gallery_sizes=sizes, threads=a.threads or m.threads,
+                targets=replace(m.targets, recall_at_1_min=a.target if a.target is not None
+                                else m.targets.recall_at_1_min))
+    threshold = cfg.model(st.MODEL).verify_threshold
     emb, labels = real_embeddings()
     dist = g.fit_distribution(emb, labels)
     print(f"fit: {dist['fit']}")
-    print(f"targets: recall@1 >= {m.recall_at_1_min}, recall@10 >= {m.recall_at_10_min}; identity gate: golden "
-          f"top-1 >= {m.golden_top1_agreement_min}, decisions >= {m.decision_agreement_min}; FAISS threads {m.threads}")
+    t = m.targets
+    print(f"targets: recall@1 >= {t.recall_at_1_min}, recall@10 >= {t.recall_at_10_min}; identity gate: golden "
+          f"top-1 >= {t.golden_top1_agreement_min}, decisions >= {t.decision_agreement_min}; FAISS threads {m.threads}")
     chosen = {}
     for n in sizes:
         t0 = time.perf_counter()

@@ -8,10 +8,11 @@ torch + numpy and the files it is given, which `bash scripts/run.sh` has built h
         --golden artifacts/golden/embedder/embeddings.npy --set artifacts/data/golden
 
 It torch.exports the dlib embedder with a dynamic batch, compiles it with AOTInductor for the device, loads the
-package, validates it against the golden (CPU FP32 PyTorch) embeddings with the same face-task metrics as
-`validate@`, and times batch 1 and 8 against eager PyTorch on the same device. Writes OUT/report.json and
-OUT/report.md. Without a CUDA device it says so in one line and exits 3, building nothing (`--device cpu` runs the
-same flow on the CPU, which is how CI tests this script).
+package, validates it against the golden (CPU FP32 PyTorch) embeddings with the same face-task metrics and the same
+limits as `validate@` (params.yaml `validate:`, read here), and times batch 1 and 8 against eager PyTorch on the
+same device. Writes OUT/report.json and OUT/report.md. Needs torch, numpy, pyyaml and tabulate (carry the last two
+as wheels if the machine lacks them). Without a CUDA device it says so in one line and exits 3, building nothing
+(`--device cpu` runs the same flow on the CPU, which is how CI tests this script).
 """
 
 from __future__ import annotations
@@ -28,9 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.facemetrics import face_metrics  # noqa: E402  (numpy only)
-
-GATE = {"cosine_min": 0.995, "l2_max": 0.12, "top1_agreement": 1.0, "decision_agreement": 0.98}
+from pipeline import facemetrics, tables  # noqa: E402  (numpy; tabulate)
 
 
 def device_info(torch, device: str) -> dict:
@@ -62,22 +61,13 @@ def timeit(torch, fn, x, device: str, warmup: int = 10, runs: int = 100) -> dict
     return {"p50_ms": round(float(p50), 4), "p99_ms": round(float(p99), 4)}
 
 
-def gate(m: dict) -> list[str]:
-    bad = []
-    for k, lim in GATE.items():
-        ok = m[k] <= lim if k.endswith("_max") else m[k] >= lim
-        if not ok:
-            bad.append(f"{k} {m[k]:.6g} (limit {lim})")
-    return bad
-
-
 def markdown(report: dict) -> str:
     i, lat = report["device"], report["latency"]
     lines = [f"aoti-{i['device']} embedder, {i.get('gpu', 'cpu')} (cc {i.get('compute_capability', '-')}, driver "
              f"{i.get('driver', '-')}), torch {i['torch']}, CUDA {i['cuda']}, {report['date']}", "",
-             "| variant | b1 p50 ms | b1 p99 ms | b8 p50 ms | b8 p99 ms |", "|---|---|---|---|---|"]
-    for name, v in lat.items():
-        lines.append(f"| {name} | {v['b1']['p50_ms']} | {v['b1']['p99_ms']} | {v['b8']['p50_ms']} | {v['b8']['p99_ms']} |")
+             tables.markdown(["variant", "b1 p50 ms", "b1 p99 ms", "b8 p50 ms", "b8 p99 ms"],
+                             [[name, v["b1"]["p50_ms"], v["b1"]["p99_ms"], v["b8"]["p50_ms"], v["b8"]["p99_ms"]]
+                              for name, v in lat.items()])]
     m = report["metrics"]
     lines += ["", f"golden gate: {report['verdict']} — cosine min {m['cosine_min']:.6f}, L2 max {m['l2_max']:.2e}, "
               f"top-1 agreement {m['top1_agreement']:.3f}, decisions {m['decision_agreement']:.4f}; "
@@ -91,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--golden", type=Path, required=True, help="golden embeddings.npy (CPU FP32 PyTorch)")
     ap.add_argument("--set", type=Path, required=True, help="golden image set dir (chips.npy + index.json)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--params", type=Path, default=Path(__file__).resolve().parents[1] / "params.yaml",
+                    help="params.yaml: the gate's limits (validate:) and the verification threshold")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--runs", type=int, default=100)
     args = ap.parse_args(argv)
@@ -100,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"aoti-cuda: unavailable (torch {torch.__version__}: torch.cuda.is_available() is False)")
         return 3
-    for p in (args.dat, args.golden, args.set / "chips.npy", args.set / "index.json"):
+    for p in (args.dat, args.golden, args.set / "chips.npy", args.set / "index.json", args.params):
         if not p.is_file():
             print(f"gpu_aoti_cuda: error: {p} not found (hint: run `bash scripts/run.sh` first and pass its artifacts)")
             return 2
+    import yaml
+
     from pipeline.models.dlib_resnet import build_embedder
+
+    params = yaml.safe_load(args.params.read_text())
+    limits, threshold = params["validate"], params["models"]["embedder"]["verify_threshold"]
 
     chips = np.load(args.set / "chips.npy")
     index = json.loads((args.set / "index.json").read_text())
@@ -126,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         compile_s = round(time.perf_counter() - t0, 1)
         engine = torch._inductor.aoti_load_package(str(package))
         got = np.concatenate([engine(x[i:i + 8]).float().cpu().numpy() for i in range(0, len(x), 8)])
-        metrics = face_metrics(got, ref, labels, gallery, 0.6)
+        metrics = facemetrics.face_metrics(got, ref, labels, gallery, threshold)
         latency = {}
         for name, fn in (("aoti", engine), ("eager", model)):
             latency[name] = {f"b{b}": timeit(torch, fn, x[:b], args.device, runs=args.runs) for b in (1, 8)}
-    failures = gate(metrics)
+    failures = facemetrics.gate(metrics, limits)
     report = {"date": time.strftime("%Y-%m-%d"), "device": device_info(torch, args.device), "compile_s": compile_s,
               "package_mb": round(package.stat().st_size / 1e6, 1), "metrics": metrics, "latency": latency,
               "verdict": "fail" if failures else "pass", "failures": failures}

@@ -4,26 +4,39 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from pipeline import assets, config
+from pipeline import config
 from pipeline.manifest import verify_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def assets_dir(tmp_path_factory) -> Path:
+def assets_dir(tmp_path_factory, cfg) -> Path:
     """The repository's artifacts/assets when it verifies, else a fresh fetch (PyPI or the Kiln archive cache)."""
+    from pipeline.errors import KilnError
+    from pipeline.stages import assets as assets_stage
+
     repo_assets = REPO / "artifacts" / "assets"
     manifest = repo_assets / "assets.manifest.json"
-    if manifest.is_file() and not verify_manifest(manifest):
-        return repo_assets
-    out = tmp_path_factory.mktemp("fetched") / "assets"
-    assets.run(out, root=REPO, progress=lambda _: None)
-    return out
+    try:
+        if manifest.is_file() and not verify_manifest(manifest):
+            return repo_assets
+    except KilnError:          # an older manifest schema: fetch afresh
+        pass
+    root = tmp_path_factory.mktemp("fetched")
+    assets_stage.run(cfg, root, progress=lambda _: None)
+    return root / cfg.assets_dir
 
 
 @pytest.fixture(scope="session")
@@ -63,3 +76,71 @@ def built(tmp_path_factory, assets_dir, cfg) -> Path:
     golden.run(cfg, "embedder", root)
     export.run(cfg, "embedder", root)
     return root
+
+
+# ---------------------------------------------------------------------------------------------- MLflow
+@pytest.fixture(scope="session")
+def template_db(tmp_path_factory) -> Path:
+    """One migrated, empty MLflow SQLite database; each test copies it (migrations take seconds, a copy does not)."""
+    from mlflow import MlflowClient
+
+    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}", registry_uri=f"sqlite:///{db}")
+    client.search_experiments(max_results=1)
+    client.search_registered_models(max_results=1)
+    return db
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_mlflow(tmp_path: Path, template_db: Path, workers: int = 1):
+    """`mlflow server` on 127.0.0.1 with a pre-migrated SQLite store; the whole process group dies on exit."""
+    db = tmp_path / "server" / "mlflow.db"
+    db.parent.mkdir()
+    shutil.copy(template_db, db)      # already at head: same as `mlflow db upgrade`, without a 3 s process
+    port = _free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    log = open(tmp_path / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{db}",
+                             "--artifacts-destination", str(tmp_path / "server" / "artifacts"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited {proc.returncode}:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.perf_counter() - t0 > 90:
+                pytest.fail(f"mlflow server not healthy after 90 s:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        print(f"\nmlflow server healthy after {time.perf_counter() - t0:.1f} s")
+        yield url
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+        log.close()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path, template_db):
+    with serve_mlflow(tmp_path, template_db) as url:
+        yield url

@@ -19,15 +19,17 @@ def test_fetched_assets_verify(assets_dir):
     assert len(list((assets_dir / "photos").rglob("*.jpg"))) == 6
 
 
-def test_wrong_member_hash_fails_and_leaves_previous_output(tmp_path, assets_dir, monkeypatch):
+def test_wrong_member_hash_fails_and_leaves_previous_output(tmp_path, assets_dir, monkeypatch, cfg):
+    from pipeline.stages import assets as assets_stage
+
     bad = dataclasses.replace(MTCNN, members=(dataclasses.replace(MTCNN.members[0], sha256="0" * 64),))
     monkeypatch.setattr(assets, "ARCHIVES", (bad,))
-    out = tmp_path / "assets"
-    out.mkdir()
+    out = tmp_path / cfg.assets_dir
+    out.mkdir(parents=True)
     (out / "keep").write_text("previous build")
     with pytest.raises(KilnError, match=r"asset 'mtcnn': facenet_pytorch/data/pnet.pt has sha256"):
-        assets.run(out, root=tmp_path, progress=lambda _: None)
-    assert [p.name for p in tmp_path.iterdir()] == ["assets"] and (out / "keep").read_text() == "previous build"
+        assets_stage.run(cfg, tmp_path, progress=lambda _: None)
+    assert [p.name for p in out.parent.iterdir()] == ["assets"] and (out / "keep").read_text() == "previous build"
 
 
 def test_missing_member_is_named(tmp_path, monkeypatch):

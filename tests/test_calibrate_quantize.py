@@ -197,7 +197,6 @@ def _activation_zero_points(model):
 def test_ort_recipe_quantizes_compute_nodes_with_u8_activations(quantized, built):
     model = _graph(built, "ort")
     onnx.checker.check_model(model, full_check=True)
-    inits = {i.name: i for i in model.graph.initializer}
     producer = {o: n for n in model.graph.node for o in n.output}
     compute = [n for n in model.graph.node if n.op_type in ("Conv", "MatMul", "Add")]
     assert len(compute) == 29 + 1 + 14
@@ -268,9 +267,46 @@ def test_ranges_of_another_graph_are_refused(quantized, built, cfg, tmp_path):
     ranges = json.loads((src / "ranges.json").read_text())
     ranges["graph_xxh3_128"] = "0" * 32
     (cal / "ranges.json").write_text(json.dumps(ranges))
+    with pytest.raises(KilnError, match="files do not match their manifest"):     # an edited input: refused first
+        quantize.run(cfg, "embedder", "ort", root)
+    from pipeline.manifest import file_digests
+
+    m = json.loads((cal / "embedder.manifest.json").read_text())                  # a consistent but foreign one
+    m["files"] = [{**f, **file_digests(cal / "ranges.json")} for f in m["files"]]
+    (cal / "embedder.manifest.json").write_text(json.dumps(m))
     with pytest.raises(KilnError, match="ranges were computed on pre-processed graph"):
         quantize.run(cfg, "embedder", "ort", root)
     assert not paths.quantized("embedder", "ort", root).exists()
+
+
+def test_qdq_quantizer_signature_is_the_one_we_call():
+    """quantize.py drives ORT's QDQQuantizer (no public entry point takes precomputed ranges) by keyword: a changed
+    signature in a new onnxruntime must fail here, loudly, not quantize differently."""
+    import inspect
+
+    from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
+
+    assert list(inspect.signature(QDQQuantizer.__init__).parameters) == [
+        "self", "model", "per_channel", "reduce_range", "weight_qType", "activation_qType", "tensors_range",
+        "nodes_to_quantize", "nodes_to_exclude", "op_types_to_quantize", "extra_options"]
+
+
+def test_detector_calibration_is_streamed_in_batches_and_cites_what_it_read(built, cfg, monkeypatch):
+    """R-Net's calibration inputs (crops the reference detector makes) are captured photo by photo and re-batched
+    to calibrate.batch, never all held; the manifest cites the photos and detector weights, not the chip set."""
+    from pipeline import samples
+    from pipeline.stages import export, golden
+
+    golden.run(cfg, "rnet", built)
+    export.run(cfg, "rnet", built)
+    small = cfg.replace(calibrate=dataclasses.replace(cfg.calibrate, batch=16))
+    sizes = [len(f["input"]) for f in samples.stream(small, "rnet", "calibration", built, batch=16)]
+    assert max(sizes) <= 16 and sum(sizes) > 100
+    r = calibrate.run(small, "rnet", built, progress=_quiet)
+    assert r.samples == sum(sizes)
+    m = read_manifest(paths.calibration("rnet", built) / "rnet.manifest.json")
+    roles = {i["role"] for i in m["inputs"]}
+    assert roles == {"onnx", "photo", "detector_weights"} and m["build"]["batch"] == 16
 
 
 def test_a_failing_ort_optimizer_is_not_swallowed(built, tmp_path, monkeypatch):

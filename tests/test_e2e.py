@@ -20,7 +20,7 @@ GRAPHS = ("pnet", "rnet", "onet", "aligner")
 
 @pytest.fixture(scope="module")
 def system_root(built, cfg):
-    fingerprint.run("ort-cpu", built)
+    fingerprint.run(cfg, built)
     for m in GRAPHS:
         golden.run(cfg, m, built)
         export.run(cfg, m, built)
@@ -45,7 +45,7 @@ def test_fp32_engines_pass_their_gates(system_root, cfg, graph):
 
 
 def test_detector_gate_fails_on_moved_landmarks(system_root, cfg):
-    strict = dataclasses.replace(cfg, validate=dataclasses.replace(
+    strict = cfg.replace(validate=dataclasses.replace(
         cfg.validate, detector=dataclasses.replace(cfg.validate.detector, landmark_err_max=0.0)))
     v = validate.run(strict, "onet-ort-cpu-fp32", system_root)
     assert not v.passed and v.failures[0].startswith("landmark_err_max")
@@ -53,7 +53,7 @@ def test_detector_gate_fails_on_moved_landmarks(system_root, cfg):
 
 
 def test_aligner_gate_fails_beyond_pixel_tolerance(system_root, cfg):
-    strict = dataclasses.replace(cfg, validate=dataclasses.replace(
+    strict = cfg.replace(validate=dataclasses.replace(
         cfg.validate, aligner=dataclasses.replace(cfg.validate.aligner, pixel_max_abs_max=0.0)))
     v = validate.run(strict, "aligner-ort-cpu-fp32", system_root)
     assert not v.passed and "pixel_max_abs" in v.failures[0]
@@ -100,12 +100,13 @@ def test_identify_cli_bad_photos(system_root, cfg, tmp_path, capsys, monkeypatch
 def test_identify_from_released_engines(system_root, cfg, tmp_path, monkeypatch):
     """--release: every graph comes from its MLflow `production` version, downloaded and checksum-verified."""
     from pipeline import registry
+    from pipeline.stages import register
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     engines = [f"{m}-ort-cpu-fp32" for m in (*GRAPHS, "embedder")]
     for e in engines:
         validate.run(cfg, e, system_root)
-        receipt = registry.register(cfg, e, system_root)
+        receipt = register.run(cfg, e, system_root)
         registry.promote(cfg, receipt.name, receipt.version, system_root, actor="test")
     s = System.from_engines(cfg, "ort-cpu", "fp32", system_root, release_dir=tmp_path / "release")
     assert all("@production(v1)" in v for v in s.engines.values()), s.engines

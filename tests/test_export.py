@@ -16,13 +16,12 @@ from pipeline.stages import export
 from conftest import REPO
 
 _EXPORT = """
-import sys
+import dataclasses, sys
 from pathlib import Path
 from pipeline import config, models
 from pipeline.stages.export import export_onnx
 cfg = config.load(Path(sys.argv[1]))
-m = cfg.model("embedder")
-m = type(m)(**{**m.__dict__, "weights": Path(sys.argv[2])})
+m = dataclasses.replace(cfg.model("embedder"), weights=sys.argv[2])
 export_onnx(models.build(m), m, cfg.export, Path(sys.argv[3]))
 """
 
@@ -45,10 +44,13 @@ def test_exported_artifact_is_checked_and_recorded(built):
     assert m["results"]["outputs"]["output"] == ["batch", 128]
     assert {i["role"] for i in m["inputs"]} == {"golden"}
     assert m["toolchain"]["torch"].startswith("2.13.0") and m["build"]["opset"] == 17
+    assert "source" not in m and "record" not in m                      # identity only: no commit, host or times
+    assert "pipeline/stages/export.py" in m["code"] and "export" in m["params"]["values"]
 
 
 def test_parity_beyond_tolerance_fails_and_writes_nothing(built, cfg, tmp_path):
-    strict = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, parity_max_abs=0.0))
+    strict = cfg.replace(export=dataclasses.replace(cfg.export, parity=dataclasses.replace(cfg.export.parity,
+                                                                                          max_abs=0.0)))
     before = (built / "artifacts/export/embedder/model.onnx").stat().st_mtime_ns
     with pytest.raises(GateFailed, match="differs from PyTorch beyond tolerance"):
         export.run(strict, "embedder", built)

@@ -35,15 +35,28 @@ def test_missing_inputs_are_named(tmp_path, capsys):
     assert "x.dat not found" in capsys.readouterr().out
 
 
-def test_gate_and_report_format():
+def test_the_gate_is_the_validate_stages_own_limits(cfg):
+    """The script applies params.yaml `validate:` through the same function as validate@ (no private copy)."""
+    import yaml
+
+    limits = yaml.safe_load((REPO / "params.yaml").read_text())["validate"]
+    m = {"cosine_min": 0.99, "cosine_mean": 0.9995, "l2_max": 0.01, "top1_agreement": 1.0,
+         "decision_agreement": 1.0, "tar_delta": 0.0, "far_delta": 0.0}
+    assert script.facemetrics.gate(m, limits) == [f"cosine_min 0.99 (limit >= {cfg.validate.cosine_min:g})"]
+    from pipeline.stages import validate
+
+    assert validate.gate(m, cfg.validate) == script.facemetrics.gate(m, limits)
+
+
+def test_report_format():
     m = {"cosine_min": 0.99, "l2_max": 0.01, "top1_agreement": 1.0, "decision_agreement": 1.0}
-    assert script.gate(m) == ["cosine_min 0.99 (limit 0.995)"]
     report = {"date": "2026-11-30", "device": {"device": "cuda", "gpu": "H200", "compute_capability": "9.0",
                                                 "driver": "580", "torch": "2.13", "cuda": "13.0"},
               "latency": {"aoti": {"b1": {"p50_ms": 1, "p99_ms": 2}, "b8": {"p50_ms": 3, "p99_ms": 4}}},
               "metrics": {**m, "cosine_min": 0.9999}, "verdict": "pass", "compile_s": 20, "package_mb": 24.5}
     md = script.markdown(report)
-    assert "H200 (cc 9.0, driver 580)" in md and "| aoti | 1 | 2 | 3 | 4 |" in md
+    assert "H200 (cc 9.0, driver 580)" in md
+    assert ["aoti", "1", "2", "3", "4"] in [[c.strip() for c in ln.strip("|").split("|")] for ln in md.splitlines()]
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Manifests: hashes, identity vs record, verification of files and inputs, atomic writes."""
+"""Manifests: hashes, identity only (no commit, host or time), verification of files and inputs, atomic writes, the
+git dirty flag of the run record."""
 
 from __future__ import annotations
 
@@ -8,17 +9,18 @@ import json
 import pytest
 import xxhash
 
-from pipeline import cli
-from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, file_digests, identity_digest, input_ref,
-                               read_manifest, verify_manifest, write_manifest)
+from pipeline import cli, stage
 from pipeline.errors import KilnError
+from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, file_digests, identity_digest, input_ref,
+                               read_manifest, read_verified, verify_manifest, write_manifest)
 
 
-def _artifact(d, name="thing", payload=b"engine bytes", inputs=(), record=None):
+def _artifact(d, name="thing", payload=b"engine bytes", inputs=(), toolchain=None):
     d.mkdir(parents=True, exist_ok=True)
     (d / "model.bin").write_bytes(payload)
     m = build_manifest(kind="engine", name=name, directory=d, files=[d / "model.bin"], inputs=list(inputs),
-                       toolchain={"x": "1"}, build={}, source={"git_commit": "abc"}, record=record)
+                       toolchain=toolchain or {"x": "1"}, build={}, code={"pipeline/x.py": "c0de"},
+                       params={"a.b": 1})
     return write_manifest(d, m)
 
 
@@ -50,12 +52,33 @@ def test_verify_reports_changed_input(tmp_path):
     assert any("input changed" in p for p in verify_manifest(down, root=tmp_path))
 
 
-def test_identity_digest_ignores_run_records(tmp_path):
-    a = read_manifest(_artifact(tmp_path / "a", record={"wall_s": 1.0}))
-    b = read_manifest(_artifact(tmp_path / "b", record={"wall_s": 9.0, "host": "other"}))
-    assert identity_digest(a) == identity_digest(b)
+def test_identity_is_content_and_code_not_place_or_time(tmp_path):
+    a = read_manifest(_artifact(tmp_path / "one" / "a"))
+    b = read_manifest(_artifact(tmp_path / "elsewhere" / "deeper" / "a"))
+    assert identity_digest(a) == identity_digest(b)                    # another checkout path: same identity
+    assert not {"source", "record"} & set(a)                           # no commit, dirty flag, host or timings
+    assert a["params"]["sha256"] and a["code"] == {"pipeline/x.py": "c0de"}
     b["toolchain"] = {"x": "2"}
     assert identity_digest(a) != identity_digest(b)
+
+
+def test_read_verified_refuses_a_modified_input(tmp_path):
+    path = _artifact(tmp_path / "a")
+    assert read_verified(path)["name"] == "thing"
+    (tmp_path / "a" / "model.bin").write_bytes(b"engine bytez")
+    with pytest.raises(KilnError, match="files do not match their manifest"):
+        read_verified(path)
+
+
+@pytest.mark.parametrize("porcelain, dirty", [
+    (" M dvc.lock\0", False),                          # the first line is the lock: not dirty (was misread)
+    (" M dvc.lock\0 M pipeline/cli.py\0", True),
+    ("M  artifacts/x\0", False),
+    ("R  new.py\0old.py\0", True),                     # a rename: two entries, both paths
+    ("", False),
+])
+def test_dirty_flag_ignores_only_the_lock_and_artifacts(porcelain, dirty):
+    assert stage.dirty_files(porcelain)["dirty"] is dirty
 
 
 def test_manifest_bytes_are_deterministic(tmp_path):

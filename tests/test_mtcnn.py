@@ -61,7 +61,7 @@ def test_one_face_per_portrait(nets, photos, name):
 
 
 def test_onet_separates_lfw_subset_faces_from_non_faces(nets):
-    skimage_data = pytest.importorskip("skimage.data")
+    from skimage import data as skimage_data
     grey = skimage_data.lfw_subset()  # 100 faces, then 100 non-faces; 25x25 floats in [0, 1]
     assert grey.shape == (200, 25, 25)
     rgb = np.stack([
@@ -99,7 +99,7 @@ def test_pyramid_and_empty_image(nets):
 
 @pytest.fixture(scope="module")
 def onnx_runners(nets, tmp_path_factory):
-    ort = pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
     out, runners = tmp_path_factory.mktemp("onnx"), []
     specs = [(nets[0], (1, 3, 40, 30), ["reg", "prob"], {0: "n", 2: "h", 3: "w"}),
              (nets[1], (2, 3, 24, 24), ["reg", "prob"], {0: "n"}),

@@ -9,12 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,7 +19,18 @@ import pytest
 
 from pipeline import cli, paths, registry
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import build_manifest, identity_digest, manifest_path, write_manifest
+from pipeline.manifest import build_manifest, identity_digest, input_ref, manifest_path, write_manifest
+from pipeline.registry.client import tracking_uri
+from pipeline.registry.registration import artifact_digest
+from pipeline.stages import register as register_stage
+
+
+def register(cfg, name, root, **kw):
+    return register_stage.run(cfg, name, root, **kw)
+
+
+def receipt_doc(name, root) -> dict:
+    return json.loads((paths.receipt(name, root) / "receipt.json").read_text())
 
 FP32, INT8 = "embedder-ort-cpu-fp32", "embedder-ort-cpu-int8"   # engines of the repository's params.yaml
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_engine(root: Path, cfg, name: str, payload: bytes, verdict: str = "pass", bench: dict | None = None,
                 onnxruntime: str = "1.32.0") -> dict:
-    """Write artifacts/engines/<name>/ (file + manifest), its validation.json and optionally bench.json."""
+    """Write artifacts/engines/<name>/ (file + manifest) and its verdict (validation.json + manifest), laid out
+    where the stages put them; optionally bench.json."""
     spec = cfg.engine(name)
     d = paths.engine(name, root)
     if d.exists():
@@ -39,16 +48,12 @@ def make_engine(root: Path, cfg, name: str, payload: bytes, verdict: str = "pass
     (d / "model.onnx").write_bytes(payload)
     (d / "io.json").write_text('{"input": [1, 3, 150, 150]}')
     m = build_manifest(kind="engine", name=name, directory=d, files=[d / "model.onnx", d / "io.json"], inputs=[],
-                       toolchain={"onnxruntime": onnxruntime, "isa": ["avx2"]}, build={"options": {"opt_level": 99}},
-                       source={"git_commit": "0" * 40, "dirty": False, "params_sha256": "p" * 64},
-                       model=spec.model, target=spec.target, precision=spec.precision, record={"host": "test"})
+                       toolchain={"target.ort-cpu": {"onnxruntime": onnxruntime, "isa": ["avx2"]}},
+                       build={"options": {"opt_level": 99}}, code={"pipeline/stages/compile.py": "c0de"},
+                       params={f"engines.{name}": {"model": spec.model}}, model=spec.model, target=spec.target,
+                       precision=spec.precision)
     write_manifest(d, m)
-    v = paths.validation(name, root)
-    v.mkdir(parents=True, exist_ok=True)
-    (v / "validation.json").write_text(json.dumps({
-        "engine": name, "verdict": verdict, "metrics": {"cosine_min": 0.998, "top1_agreement": 1.0, "l2@max": 0.05},
-        "failures": [] if verdict == "pass" else ["cosine_min 0.2 < 0.99"],
-        "engine_manifest_xxh3_128": identity_digest(m)}))
+    write_verdict(root, name, m, verdict)
     if bench is not None:
         b = paths.bench(spec.model, root)
         b.mkdir(parents=True, exist_ok=True)
@@ -56,16 +61,20 @@ def make_engine(root: Path, cfg, name: str, payload: bytes, verdict: str = "pass
     return m
 
 
-@pytest.fixture(scope="session")
-def template_db(tmp_path_factory) -> Path:
-    """One migrated, empty MLflow SQLite database; each test copies it (migrations take seconds, a copy does not)."""
-    from mlflow import MlflowClient
-
-    db = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
-    client = MlflowClient(tracking_uri=f"sqlite:///{db}", registry_uri=f"sqlite:///{db}")
-    client.search_experiments(max_results=1)
-    client.search_registered_models(max_results=1)
-    return db
+def write_verdict(root: Path, name: str, engine_manifest: dict, verdict: str) -> dict:
+    v = paths.validation(name, root)
+    if v.exists():
+        shutil.rmtree(v)
+    v.mkdir(parents=True)
+    (v / "validation.json").write_text(json.dumps({
+        "engine": name, "verdict": verdict, "metrics": {"cosine_min": 0.998, "top1_agreement": 1.0, "l2@max": 0.05},
+        "failures": [] if verdict == "pass" else ["cosine_min 0.2 < 0.99"],
+        "engine_manifest_xxh3_128": identity_digest(engine_manifest)}))
+    vm = build_manifest(kind="validation", name=name, directory=v, files=[v / "validation.json"],
+                        inputs=[input_ref("engine", manifest_path(paths.engine(name, root), name), root)],
+                        toolchain={}, build={}, code={}, params={}, results={"verdict": verdict})
+    write_manifest(v, vm)
+    return vm
 
 
 @pytest.fixture
@@ -109,32 +118,37 @@ def stored_dir(name: str, version: int) -> Path:
 def test_register_is_idempotent_and_new_bytes_make_a_new_candidate(cfg, root):
     make_engine(root, cfg, FP32, b"engine-bytes-v1", bench={"latency_ms@b1": 1.5, "throughput": 900.0})
     t0 = time.perf_counter()
-    r1 = registry.register(cfg, FP32, root)
+    r1 = register(cfg, FP32, root)
     t1 = time.perf_counter()
-    receipt_bytes = paths.receipt(FP32, root).read_bytes()
-    again = registry.register(cfg, FP32, root)
+    receipt_bytes = (paths.receipt(FP32, root) / "receipt.json").read_bytes()
+    again = register(cfg, FP32, root)
     t2 = time.perf_counter()
     print(f"\nregister: first {t1 - t0:.2f} s, idempotent rerun {t2 - t1:.2f} s")
 
     assert r1.new and r1.name == "kiln-embedder-ort-cpu-fp32" and r1.version == 1
     assert not again.new and (again.version, again.sha256) == (1, r1.sha256)
-    assert paths.receipt(FP32, root).read_bytes() == receipt_bytes          # deterministic receipt
-    assert json.loads(receipt_bytes) == {"name": r1.name, "version": 1, "sha256": r1.sha256,
-                                         "tracking_uri": os.environ["MLFLOW_TRACKING_URI"]}
+    assert (paths.receipt(FP32, root) / "receipt.json").read_bytes() == receipt_bytes    # deterministic receipt
+    doc = receipt_doc(FP32, root)
+    assert doc["sha256"] == r1.sha256 and doc["verdict"] == "pass" and "version" not in doc  # content, not registry
+    assert "tracking_uri" not in doc and r1.tracking_uri == os.environ["MLFLOW_TRACKING_URI"]
     c = client()
     assert len(c.search_model_versions(f"name = '{r1.name}'")) == 1
     mv = c.get_model_version(r1.name, "1")
-    assert mv.tags["sha256"] == r1.sha256 == registry.engine_digest(json.loads(
+    assert mv.tags["sha256"] == r1.sha256 == artifact_digest(json.loads(
         manifest_path(paths.engine(FP32, root), FP32).read_text()))
-    assert {k: mv.tags[k] for k in ("target", "precision", "toolchain.onnxruntime", "validation", "git_commit",
-                                    "dirty")} == {"target": "ort-cpu", "precision": "fp32",
-                                                  "toolchain.onnxruntime": "1.32.0", "validation": "pass",
-                                                  "git_commit": "0" * 40, "dirty": "false"}
+    assert {k: mv.tags[k] for k in ("target", "precision", "toolchain.target.ort-cpu.onnxruntime", "validation",
+                                    "kind")} == {"target": "ort-cpu", "precision": "fp32",
+                                                 "toolchain.target.ort-cpu.onnxruntime": "1.32.0",
+                                                 "validation": "pass", "kind": "engine"}
+    params = c.get_run(mv.run_id).data.params                              # the immutable digests
+    assert params["kiln.sha256"] == r1.sha256 and params["kiln.verdict"] == "pass"
+    assert params["kiln.validation_manifest_xxh3_128"] == doc["validation_manifest_xxh3_128"]
     assert mv.source.startswith("models:/m-")
-    # the LoggedModel carries files, manifest, validation.json and bench metrics; metrics are linked to it
+    # the LoggedModel carries files, manifest, the verdict with its manifest, and bench metrics
     stored = stored_dir(r1.name, 1)
     assert sorted(p.relative_to(stored).as_posix() for p in stored.rglob("*") if p.is_file()) == [
-        f"{FP32}.manifest.json", "io.json", "kiln/bench.json", "kiln/validation.json", "model.onnx"]
+        f"{FP32}.manifest.json", "io.json", "kiln/bench.json", f"kiln/{FP32}.manifest.json", "kiln/validation.json",
+        "model.onnx"]
     lm = c.get_logged_model(mv.source.removeprefix("models:/"))
     metrics = {m.key: m.value for m in lm.metrics}
     assert metrics["validation.cosine_min"] == 0.998 and metrics["validation.l2_max"] == 0.05
@@ -143,75 +157,89 @@ def test_register_is_idempotent_and_new_bytes_make_a_new_candidate(cfg, root):
     assert aliases(r1.name) == {"candidate": 1}
 
     make_engine(root, cfg, FP32, b"engine-bytes-v2")                        # new bytes → new version
-    r2 = registry.register(cfg, FP32, root)
+    r2 = register(cfg, FP32, root)
     assert r2.new and r2.version == 2 and r2.sha256 != r1.sha256
     assert aliases(r1.name) == {"candidate": 2}
     assert "production" not in aliases(r1.name)
-    assert json.loads(paths.receipt(FP32, root).read_text())["version"] == 2
+    assert receipt_doc(FP32, root)["sha256"] == r2.sha256
     make_engine(root, cfg, FP32, b"engine-bytes-v1", bench={"latency_ms@b1": 1.5, "throughput": 900.0})
-    assert registry.register(cfg, FP32, root).version == 1                  # old bytes → the old version again
+    assert register(cfg, FP32, root).version == 1                           # old bytes → the old version again
     assert len(c.search_model_versions(f"name = '{r1.name}'")) == 2
     candidate_moves = registry.history(cfg, FP32, root, alias="candidate")
     assert [(m.from_version, m.to_version, m.action) for m in candidate_moves] == [(None, 1, "register"),
                                                                                  (1, 2, "register")]
 
 
-def test_register_refuses_unverified_or_unvalidated_engines(cfg, root):
+def test_register_refuses_unverified_unvalidated_or_failed_engines(cfg, root, capsys):
     make_engine(root, cfg, FP32, b"abc")
     (paths.engine(FP32, root) / "model.onnx").write_bytes(b"abd")               # file no longer matches manifest
     with pytest.raises(GateFailed, match="do not match their manifest"):
-        registry.register(cfg, FP32, root)
+        register(cfg, FP32, root)
 
     make_engine(root, cfg, FP32, b"abc")
-    (paths.validation(FP32, root) / "validation.json").unlink()
-    with pytest.raises(KilnError, match="not been validated") as e:
-        registry.register(cfg, FP32, root)
+    shutil.rmtree(paths.validation(FP32, root))
+    with pytest.raises(KilnError, match="no verdict to register") as e:
+        register(cfg, FP32, root)
     assert "validate@" in e.value.hint
 
-    make_engine(root, cfg, FP32, b"abc")
-    stale = json.loads((paths.validation(FP32, root) / "validation.json").read_text())
+    old = make_engine(root, cfg, FP32, b"abc")
     make_engine(root, cfg, FP32, b"abcd")                                        # rebuilt after validation
-    (paths.validation(FP32, root) / "validation.json").write_text(json.dumps(stale))
+    write_verdict(root, FP32, old, "pass")
     with pytest.raises(KilnError, match="validated a different build"):
-        registry.register(cfg, FP32, root)
+        register(cfg, FP32, root)
+
+    make_engine(root, cfg, FP32, b"abc", verdict="fail")                         # a failed verdict: not a candidate
+    with pytest.raises(GateFailed, match="validation failed") as e:
+        register(cfg, FP32, root)
+    assert "--allow-failed" in e.value.hint
+    r = register(cfg, FP32, root, allow_failed=True)                            # deliberately: no alias, warned
+    assert r.new and aliases(r.name) == {} and "WARNING" in capsys.readouterr().err
 
     with pytest.raises(KilnError, match="no engine named"):
-        registry.register(cfg, "nope", root)
-    assert not paths.receipt(FP32, root).exists()
+        register(cfg, "nope", root)
 
 
 # ---------------------------------------------------------------------------------------------- promote
-def test_promote_refuses_a_failed_validation(cfg, root):
+def test_promote_refuses_a_failed_validation_even_with_an_edited_tag(cfg, root):
     make_engine(root, cfg, INT8, b"int8-but-wrong", verdict="fail")
-    r = registry.register(cfg, INT8, root)                                   # registered, verdict tagged
+    r = register(cfg, INT8, root, allow_failed=True)                        # registered, verdict tagged
     assert client().get_model_version(r.name, str(r.version)).tags["validation"] == "fail"
-    with pytest.raises(GateFailed, match="validation verdict is 'fail'"):
+    client().set_model_version_tag(r.name, str(r.version), "validation", "pass")  # talked around? no
+    with pytest.raises(GateFailed, match="stored validation verdict is 'fail'"):
         registry.promote(cfg, r.name, r.version, root)
     assert "production" not in aliases(r.name)
     assert registry.history(cfg, r.name, root, alias="production") == []
 
 
-@pytest.mark.parametrize("tamper", ["file", "file+manifest", "manifest-only"])
+@pytest.mark.parametrize("tamper", ["file", "file+manifest", "manifest-only", "verdict", "verdict+manifest"])
 def test_promote_refuses_tampered_artifacts(cfg, root, tamper):
-    m = make_engine(root, cfg, FP32, b"good-engine")
-    r = registry.register(cfg, FP32, root)
+    m = make_engine(root, cfg, FP32, b"good-engine", verdict="fail" if tamper.startswith("verdict") else "pass")
+    r = register(cfg, FP32, root, allow_failed=True)
     stored = stored_dir(r.name, r.version)
     engine_file, stored_manifest = stored / "model.onnx", stored / f"{FP32}.manifest.json"
+    verdict_file, verdict_manifest = stored / "kiln" / "validation.json", stored / "kiln" / f"{FP32}.manifest.json"
+    from pipeline.manifest import file_digests
+
     if tamper in ("file", "file+manifest"):
         engine_file.write_bytes(b"evil-engine")
     if tamper == "file+manifest":                        # a careful attacker also fixes the stored manifest
-        from pipeline.manifest import file_digests
-
         m["files"] = [{**f, **file_digests(engine_file)} if f["path"] == "model.onnx" else f for f in m["files"]]
         stored_manifest.write_text(json.dumps(m))
     if tamper == "manifest-only":                        # files intact, provenance rewritten
-        m["source"]["git_commit"] = "f" * 40
+        m["build"]["options"] = {"opt_level": 0}
         stored_manifest.write_text(json.dumps(m))
-    expected = {"file": "model.onnx: xxh3_128 is", "file+manifest": "engine digest",
-                "manifest-only": "identity digest"}[tamper]
+    if tamper.startswith("verdict"):                     # a failed verdict edited to pass
+        doc = json.loads(verdict_file.read_text())
+        verdict_file.write_text(json.dumps({**doc, "verdict": "pass", "failures": []}))
+        if tamper == "verdict+manifest":
+            vm = json.loads(verdict_manifest.read_text())
+            vm["files"] = [{**f, **file_digests(verdict_file)} for f in vm["files"]]
+            verdict_manifest.write_text(json.dumps(vm))
+    expected = {"file": "model.onnx: ", "file+manifest": "content digest", "manifest-only": "identity digest",
+                "verdict": "validation.json: ", "verdict+manifest": "validation manifest's digest"}[tamper]
     with pytest.raises(GateFailed, match="tampered") as e:
         registry.promote(cfg, r.name, r.version, root)
-    assert expected in e.value.message
+    assert expected in e.value.message, e.value.message
     assert "production" not in aliases(r.name)
 
 
@@ -219,9 +247,9 @@ def test_promote_promote_rollback_and_history(cfg, root, monkeypatch):
     versions = []
     for i in range(3):
         make_engine(root, cfg, FP32, f"engine-{i}".encode())
-        versions.append(registry.register(cfg, FP32, root).version)
+        versions.append(register(cfg, FP32, root).version)
     assert versions == [1, 2, 3]
-    name = registry.model_name(FP32)
+    name = registry.registered_name(cfg, FP32)
 
     a = registry.promote(cfg, name, 1, root)
     monkeypatch.setenv("KILN_ACTOR", "bob")
@@ -251,15 +279,16 @@ def test_promote_promote_rollback_and_history(cfg, root, monkeypatch):
     assert len(registry.history(cfg, name, root)) == 3 + 5                   # 3 candidate moves + 5 production
     mv1 = client().get_model_version(name, "1")
     assert mv1.tags["production_by"] == "bob" and mv1.tags["production_at"] == prod[-1].at
+    assert not [m.name for m in client().search_registered_models() if m.name.endswith(".lock")]  # locks released
 
 
 def test_rollback_refuses_without_history_or_when_moved_outside_kiln(cfg, root):
     make_engine(root, cfg, FP32, b"one")
-    r = registry.register(cfg, FP32, root)
+    r = register(cfg, FP32, root)
     with pytest.raises(KilnError, match="nothing is in production"):
         registry.rollback(cfg, r.name, root)
     make_engine(root, cfg, FP32, b"two")
-    registry.register(cfg, FP32, root)
+    register(cfg, FP32, root)
     registry.promote(cfg, r.name, 1, root)
     client().set_registered_model_alias(r.name, "production", "2")           # someone used the MLflow UI
     with pytest.raises(KilnError, match="moved outside kiln"):
@@ -274,84 +303,42 @@ def test_cli(cfg, root, monkeypatch, capsys):
     shutil.copy(REPO / "params.yaml", root / "params.yaml")
     monkeypatch.chdir(root)
     make_engine(root, cfg, INT8, b"bad", verdict="fail")
-    assert cli.main(["register", INT8]) == 0
+    assert cli.main(["register", INT8]) == 1                                        # a failed verdict: a gate
+    assert "not registered" in capsys.readouterr().err
+    assert cli.main(["register", "--allow-failed", INT8]) == 0
     assert "registered new version kiln-embedder-ort-cpu-int8 v1" in capsys.readouterr().out
-    assert cli.main(["register", INT8]) == 0
-    assert "already registered as version kiln-embedder-ort-cpu-int8 v1" in capsys.readouterr().out
+    assert cli.main(["register", INT8]) == 1                                        # still failed: refused again
+    capsys.readouterr()
     assert cli.main(["promote", "kiln-embedder-ort-cpu-int8", "1"]) == 1            # a gate: exit 1
-    assert "validation verdict is 'fail'" in capsys.readouterr().err
+    assert "stored validation verdict is 'fail'" in capsys.readouterr().err
     make_engine(root, cfg, INT8, b"good")
     assert cli.main(["register", INT8]) == 0
+    assert cli.main(["register", INT8]) == 0
+    assert "already registered as version kiln-embedder-ort-cpu-int8 v2" in capsys.readouterr().out
     assert cli.main(["promote", INT8, "2"]) == 0
     assert "kiln-embedder-ort-cpu-int8@production none → v2 by alice" in capsys.readouterr().out
     assert cli.main(["rollback", INT8]) == 2                                        # user error: exit 2
     err = capsys.readouterr().err
     assert "kiln: error:" in err and "hint:" in err and "Traceback" not in err
     assert cli.main(["history", INT8]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["at", "(UTC)", "alias"] and len(lines) == 1 + 3
-    assert lines[-1].split()[1:6] == ["production", "promote", "-", "v2", "alice"]
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")][:3] == ["at (UTC)", "alias", "action"]
+    assert len(lines) == 2 + 2                                                      # header, rule, 2 moves
+    assert [c.strip() for c in lines[-1].strip("|").split("|")][1:6] == ["production", "promote", "-", "v2", "alice"]
+    record = json.loads((root / "artifacts/records/register@embedder-ort-cpu-int8.json").read_text())
+    assert record["version"] == 2 and record["registered_model"] == "kiln-embedder-ort-cpu-int8"
 
 
 def test_defaults_and_lazy_import(cfg, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert registry.tracking_uri(cfg, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert tracking_uri(cfg, tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://u:secret@127.0.0.1:5000")
-    assert registry.tracking_uri(cfg, tmp_path) == "http://u:secret@127.0.0.1:5000"
-    assert registry._redact("http://u:secret@127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert tracking_uri(cfg, tmp_path) == "http://u:secret@127.0.0.1:5000"
+    assert registry.redact("see http://u:secret@127.0.0.1:5000/x and https://a@b/c") == \
+        "see http://127.0.0.1:5000/x and https://b/c"
     out = subprocess.run([sys.executable, "-c", "import sys, pipeline.registry, pipeline.cli; "
                           "print('mlflow' in sys.modules)"], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"
-
-
-# ---------------------------------------------------------------------------------------------- tracking server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path, template_db):
-    """`mlflow server` on 127.0.0.1 with a pre-migrated SQLite store; the whole process group dies in teardown."""
-    db = tmp_path / "server" / "mlflow.db"
-    db.parent.mkdir()
-    shutil.copy(template_db, db)      # already at head: same as `mlflow db upgrade`, without a 3 s process
-    port = _free_port()
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{db}",
-                             "--artifacts-destination", str(tmp_path / "server" / "artifacts"),
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited {proc.returncode}:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.perf_counter() - t0 > 90:
-                pytest.fail(f"mlflow server not healthy after 90 s:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        print(f"\nmlflow server healthy after {time.perf_counter() - t0:.1f} s")
-        yield url
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=15)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=15)
-        log.close()
 
 
 @pytest.mark.slow
@@ -360,11 +347,12 @@ def test_over_http_tracking_server(cfg, root, mlflow_server, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a dead server fails the test now, not in minutes
     make_engine(root, cfg, FP32, b"served-1")
     t0 = time.perf_counter()
-    r1 = registry.register(cfg, FP32, root)
+    r1 = register(cfg, FP32, root)
     print(f"register over HTTP: {time.perf_counter() - t0:.2f} s")
-    assert registry.register(cfg, FP32, root) == registry.Receipt(r1.name, 1, r1.sha256, mlflow_server, new=False)
+    again = register(cfg, FP32, root)
+    assert (again.version, again.new, again.sha256, again.tracking_uri) == (1, False, r1.sha256, mlflow_server)
     make_engine(root, cfg, FP32, b"served-2")
-    assert registry.register(cfg, FP32, root).version == 2
+    assert register(cfg, FP32, root).version == 2
     assert registry.promote(cfg, r1.name, 1, root).to_version == 1
     assert registry.promote(cfg, r1.name, 2, root).from_version == 1
     assert registry.rollback(cfg, r1.name, root).to_version == 1

@@ -14,22 +14,23 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import verify_manifest
 from pipeline.stages import compile as compile_stage
 from pipeline.stages import fingerprint, validate
-from pipeline.targets.base import CompileOptions
 
 
 @pytest.fixture(scope="module")
 def fp32_engine(built, cfg):
-    fingerprint.run("ort-cpu", built)
+    fingerprint.run(cfg, built)
     compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
     return paths.engine("embedder-ort-cpu-fp32", built)
 
 
-def test_probe_and_fingerprint(built):
-    tc, path = fingerprint.run("ort-cpu", built)
+def test_probe_and_fingerprint(built, cfg):
+    out = fingerprint.run(cfg, built)
+    tc, path, _ = out["ort-cpu"]
     doc = yaml.safe_load(path.read_text())
     assert tc.available and doc["available"] is True
-    assert set(doc["rebuild_on"]) == {"onnxruntime", "isa", "machine"} and "cpu" in doc["info"]
+    assert set(doc["rebuild_on"]) == {"onnxruntime", "isa", "machine"} and "cpu" in tc.info
     assert tc.line().startswith("ort-cpu: available (onnxruntime ")
+    assert set(out) == set(cfg.targets)
 
 
 def test_unknown_target_is_a_clear_error():
@@ -39,7 +40,8 @@ def test_unknown_target_is_a_clear_error():
 
 def test_fp32_engine_is_reproducible_native_and_verifies(fp32_engine, built, cfg):
     r = compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
-    assert r.reproducible is True and r.audit.ok and r.audit.summary()["native_nodes"] >= 30
+    assert r.reproducibility["checked"].startswith("compile: second build in a fresh process")
+    assert r.audit.ok and r.audit.summary()["native_nodes"] >= 30
     assert verify_manifest(fp32_engine / "embedder-ort-cpu-fp32.manifest.json", root=built) == []
 
 
@@ -57,9 +59,9 @@ def test_fallback_policy_fail_builds_nothing(built, cfg):
         shutil.rmtree(fake)
     shutil.copytree(paths.export("embedder", built), fake)
     (fake / "embedder.manifest.json").rename(fake / "embedder-ort.manifest.json")
-    strict = dataclasses.replace(cfg, targets={"ort-cpu": dataclasses.replace(cfg.targets["ort-cpu"],
-                                                                               fallback_policy="fail")})
-    fingerprint.run("ort-cpu", built)
+    strict = cfg.replace(targets={**cfg.targets, "ort-cpu": dataclasses.replace(cfg.targets["ort-cpu"],
+                                                                                  fallback_policy="fail")})
+    fingerprint.run(cfg, built)
     try:
         with pytest.raises(GateFailed, match="compute nodes fell back from int8"):
             compile_stage.run(strict, "embedder-ort-cpu-int8", built)
@@ -73,12 +75,12 @@ def test_fallback_policy_fail_builds_nothing(built, cfg):
 
 def test_unavailable_target_builds_nothing(built, cfg):
     path = paths.toolchain_file("ort-cpu", built)
-    fingerprint.run("ort-cpu", built)
+    fingerprint.run(cfg, built)
     doc = yaml.safe_load(path.read_text())
     path.write_text(yaml.safe_dump({**doc, "available": False, "reason": "no CPU today"}))
-    with pytest.raises(KilnError, match=r"ort-cpu: unavailable \(no CPU today\)"):
+    with pytest.raises(KilnError, match=r"ort-cpu: unavailable \(no CPU today\); not built"):
         compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
-    fingerprint.run("ort-cpu", built)
+    fingerprint.run(cfg, built)
 
 
 def test_face_metrics_known_answers(cfg):
@@ -105,7 +107,7 @@ def test_validate_passes_fp32_and_writes_verdict(fp32_engine, built, cfg):
 
 
 def test_validate_failure_is_recorded(fp32_engine, built, cfg):
-    impossible = dataclasses.replace(cfg, validate=dataclasses.replace(cfg.validate, l2_max=-1.0))
+    impossible = cfg.replace(validate=dataclasses.replace(cfg.validate, l2_max=0.0))
     v = validate.run(impossible, "embedder-ort-cpu-fp32", built)
     assert not v.passed and v.failures[0].startswith("l2_max")
     assert '"verdict": "fail"' in (paths.validation("embedder-ort-cpu-fp32", built) / "validation.json").read_text()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from pipeline.errors import KilnError
 from pipeline.stages import compile as compile_stage
 from pipeline.stages import fingerprint
 from pipeline.targets import tensorrt as trt_target
-from pipeline.targets.tensorrt import (EQUIVALENCE, TensorRT, TrtOptions, build_plan, check_loadable,
+from pipeline.targets.tensorrt import (TensorRT, TrtOptions, build_plan, check_loadable,
                                        inspector_audit, make_fingerprint, norm_dtype, parse_inspector, prepare_onnx)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,11 +104,21 @@ def test_import_and_probe_without_tensorrt():
     assert not tc.available and tc.line() == "tensorrt: unavailable (no module named 'tensorrt')"
 
 
+@pytest.mark.skipif(HAS_TRT, reason="tensorrt is importable on this host")
 def test_toolchain_stage_records_unavailable(tmp_path):
-    tc, path = fingerprint.run("tensorrt", tmp_path)
-    doc = yaml.safe_load(path.read_text())
-    assert path == tmp_path / "artifacts/toolchain/tensorrt.yaml"
-    assert doc["available"] is tc.available and (tc.available or doc["reason"])
+    """The real stage, in a fresh process: the file says unavailable and why, and holds no rebuild keys."""
+    import shutil
+    import subprocess
+
+    shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
+    r = subprocess.run([sys.executable, "-m", "pipeline.stages.fingerprint"], cwd=tmp_path, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr
+    assert "tensorrt: unavailable (no module named 'tensorrt')" in r.stdout
+    doc = yaml.safe_load((tmp_path / "artifacts/toolchain/tensorrt.yaml").read_text())
+    assert doc == {"target": "tensorrt", "available": False, "reason": "no module named 'tensorrt'", "rebuild_on": {}}
+    record = json.loads((tmp_path / "artifacts/records/toolchain.json").read_text())
+    assert record["stage"] == "toolchain" and "git" in record and record["host"]
 
 
 def _gpu_cfg(tmp_path: Path) -> config.Config:
@@ -132,7 +143,7 @@ def test_gpu_profile_is_a_valid_configuration(tmp_path):
 @pytest.mark.skipif(HAS_TRT, reason="tensorrt is importable on this host")
 def test_asking_for_tensorrt_here_fails_clearly_and_builds_nothing(built, tmp_path):
     cfg = _gpu_cfg(tmp_path)
-    fingerprint.run("tensorrt", built)
+    fingerprint.run(cfg, built)
     for name in ("embedder-tensorrt-fp16", "embedder-tensorrt-int8"):
         with pytest.raises(KilnError, match=r"tensorrt: unavailable \(no module named 'tensorrt'\)"):
             compile_stage.run(cfg, name, built)
@@ -282,7 +293,7 @@ def test_norm_dtype(text, want):
     assert norm_dtype(text) == want
 
 
-def test_manifest_extras_declare_non_determinism(tmp_path):
+def test_manifest_extras_carry_the_build_plan_and_inspector(tmp_path):
     plan = build_plan(TrtOptions(), "input", (3, 150, 150))
     (tmp_path / "build.json").write_text(json.dumps({
         "plan": plan.record(), "onnx_parsed_sha256": "0" * 64, "precision_source": "QDQ (explicit quantization)",
@@ -290,7 +301,8 @@ def test_manifest_extras_declare_non_determinism(tmp_path):
                          "sha256_after": "1" * 64}}))
     (tmp_path / "inspector.json").write_text(json.dumps(parse_inspector(INSPECTOR_11X)))
     extras = TensorRT().manifest_extras(tmp_path)
-    assert extras["build"]["deterministic"] is False and extras["build"]["equivalence"] == EQUIVALENCE
+    assert extras["build"]["plan"] == json.loads(json.dumps(plan.record()))           # what build.json holds
     assert extras["build"]["builder_optimization_level"] == 3
+    assert extras["results"]["timing_cache"]["sha256_after"] == "1" * 64
     assert extras["results"]["inspector"]["schema"] == "11.x"
     assert TensorRT().audit(tmp_path, "fp16").native == {"CaskConvolution": 1}   # a built engine: its inspector

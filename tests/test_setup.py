@@ -1,0 +1,32 @@
+"""scripts/setup.sh: where the pinned torch CPU wheel comes from, on our machines and elsewhere."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+from conftest import REPO
+
+
+def _source(wheels) -> str:
+    return subprocess.run(["bash", str(REPO / "scripts/setup.sh"), "--torch-source"], cwd=REPO, check=True,
+                          capture_output=True, text=True, env={**os.environ, "KILN_WHEELS": str(wheels)}).stdout.strip()
+
+
+def test_local_wheel_folder_when_it_holds_the_wheel(tmp_path):
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    assert _source(tmp_path) == f"--find-links {tmp_path}"
+
+
+def test_pytorch_cpu_index_elsewhere(tmp_path):
+    assert _source(tmp_path / "absent") == "--extra-index-url https://download.pytorch.org/whl/cpu"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "torch-2.12.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    assert _source(tmp_path / "other").startswith("--extra-index-url")        # another version does not count
+
+
+def test_the_lock_pins_that_wheel_by_sha256():
+    lock = (REPO / "lockfiles/main.txt").read_text()
+    block = re.search(r"(?ms)^torch==2\.13\.0\+cpu \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", lock)
+    assert block and block.group(1).count("--hash=sha256:") >= 1
