@@ -1,4 +1,4 @@
-"""Issue 4: detector nets and aligner as compiled graphs, their gates, and photo → identity on built engines only."""
+"""Detector nets and aligner as compiled graphs, their gates, and photo → identity on built engines only."""
 
 from __future__ import annotations
 
@@ -114,3 +114,32 @@ def test_identify_from_released_engines(system_root, cfg, tmp_path, monkeypatch)
     photo = list_photos(system_root / cfg.data.photos)[3]
     (m,) = s.identify(load_rgb(photo.path))
     assert m.identity == photo.identity
+
+
+def test_identify_through_a_gallery_index(system, system_root, cfg):
+    """System.use_index: the chosen FAISS index of a gallery (golden identities among distractors) names the
+    people as brute force does, and a tampered index is refused before it is read."""
+    from dataclasses import replace
+
+    from pipeline.errors import KilnError
+    from pipeline.stages import gallery, matching
+
+    m = cfg.matching
+    small = cfg.replace(matching=replace(m, gallery_sizes=(5000,), sweep=("ivf-flat:nlist={nlist},nprobe=32",),
+                                         latency=replace(m.latency, runs_b1=5, runs_b64=2, max_seconds=0.1)))
+    gallery.run(small, 5000, system_root)
+    matching.match_run(small, 5000, system_root, progress=lambda _: None)
+    system.use_index(5000, system_root)
+    assert system.engines["matching"].startswith("gallery-5000 (ivf-flat")
+    for p in list_photos(system_root / cfg.data.photos):
+        (face,) = system.identify(load_rgb(p.path))
+        assert face.identity == p.identity
+    index = paths.index(5000, system_root) / "index.faiss"
+    data = index.read_bytes()
+    index.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    try:
+        with pytest.raises(KilnError, match="do not match their manifest"):
+            system.use_index(5000, system_root)
+    finally:
+        index.write_bytes(data)
+        system.index = None

@@ -361,3 +361,54 @@ def test_over_http_tracking_server(cfg, root, mlflow_server, monkeypatch):
         ("candidate", "register", 1), ("candidate", "register", 2), ("production", "promote", 1),
         ("production", "promote", 2), ("production", "rollback", 1)]
     assert not (root / "mlruns").exists() and not (root / "mlflow.db").exists()
+
+
+# ---------------------------------------------------------------------------------------------- indexes
+def make_index(root: Path, size: int, payload: bytes, verdict: str = "pass") -> dict:
+    d = paths.index(size, root)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    (d / "index.faiss").write_bytes(payload)
+    name = paths.gallery_name(size)
+    m = build_manifest(kind="index", name=name, model="embedder", target="faiss-cpu", precision="fp32", directory=d,
+                       files=[d / "index.faiss"], inputs=[], toolchain={}, build={"spec": "flat"}, code={}, params={})
+    write_manifest(d, m)
+    v = paths.matching(size, root)
+    shutil.rmtree(v, ignore_errors=True)
+    v.mkdir(parents=True)
+    (v / "validation.json").write_text(json.dumps({"engine": name, "kind": "index", "verdict": verdict,
+                                                   "failures": [] if verdict == "pass" else ["recall"],
+                                                   "metrics": {"recall@1": 1.0, "p50_ms_b1": 0.3},
+                                                   "engine_manifest_xxh3_128": identity_digest(m)}))
+    write_manifest(v, build_manifest(kind="validation", name=name, directory=v, files=[v / "validation.json"],
+                                     inputs=[input_ref("index", manifest_path(d, name), root)], toolchain={},
+                                     build={}, code={}, params={}, results={"verdict": verdict}))
+    return m
+
+
+def test_an_index_registers_as_an_index_and_its_refusals(cfg, root):
+    from pipeline.stages import register_index
+
+    size = cfg.matching.gallery_sizes[0]
+    make_index(root, size, b"faiss-bytes")
+    shutil.rmtree(paths.matching(size, root))
+    with pytest.raises(KilnError, match="no verdict to register"):
+        register_index.run_index(cfg, size, root)
+    make_index(root, size, b"faiss-bytes")
+    (paths.index(size, root) / "index.faiss").write_bytes(b"faiss-bytez")
+    with pytest.raises(GateFailed, match="do not match their manifest"):
+        register_index.run_index(cfg, size, root)
+    make_index(root, size, b"faiss-bytes", verdict="fail")
+    with pytest.raises(GateFailed, match="validation failed"):
+        register_index.run_index(cfg, size, root)
+    with pytest.raises(KilnError, match="is not in matching.gallery_sizes"):
+        register_index.run_index(cfg, 12345, root)
+
+    make_index(root, size, b"faiss-bytes")
+    r = register_index.run_index(cfg, size, root)
+    assert r.new and r.name == f"kiln-gallery-{size}"
+    c = client()
+    mv = c.get_model_version(r.name, "1")
+    assert mv.tags["kind"] == "index" and c.get_registered_model(r.name).tags["kind"] == "index"
+    assert "precision" not in c.get_registered_model(r.name).tags or mv.tags["target"] == "faiss-cpu"
+    assert registry.promote(cfg, r.name, 1, root).to_version == 1       # an index promotes like an engine

@@ -111,3 +111,48 @@ def test_validate_failure_is_recorded(fp32_engine, built, cfg):
     v = validate.run(impossible, "embedder-ort-cpu-fp32", built)
     assert not v.passed and v.failures[0].startswith("l2_max")
     assert '"verdict": "fail"' in (paths.validation("embedder-ort-cpu-fp32", built) / "validation.json").read_text()
+
+
+def test_canonicalize_gives_one_byte_order_for_any_node_order(fp32_engine):
+    """ORT numbers the nodes it inserts from hash-map order: the same graph shuffled must serialize identically."""
+    import random
+
+    import onnx
+
+    from pipeline.targets.canonical import canonicalize
+
+    model = onnx.load(str(fp32_engine / "model.onnx"))
+    reference = canonicalize(onnx.load(str(fp32_engine / "model.onnx"))).SerializeToString()
+    for seed in range(3):
+        shuffled = onnx.ModelProto()
+        shuffled.CopyFrom(model)
+        nodes = list(shuffled.graph.node)
+        random.Random(seed).shuffle(nodes)
+        for i, n in enumerate(nodes):
+            n.name = f"renamed_{seed}_{i}"
+        shuffled.graph.ClearField("node")
+        shuffled.graph.node.extend(nodes)
+        assert canonicalize(shuffled).SerializeToString() == reference
+
+
+def test_the_int8_bench_gate_on_injected_latencies(cfg):
+    """The bench gate itself, on known latencies (the real bench only reports on a noisy machine)."""
+    from pipeline.stages import bench
+
+    engines = [cfg.engine("embedder-ort-cpu-fp32"), cfg.engine("embedder-ort-cpu-int8"),
+               cfg.engine("embedder-aoti-cpu-fp32")]
+
+    def report(int8_b1, int8_b8):
+        return {"engines": {"embedder-ort-cpu-fp32": {"b1_p50_ms": 4.0, "b8_p50_ms": 20.0},
+                            "embedder-ort-cpu-int8": {"b1_p50_ms": int8_b1, "b8_p50_ms": int8_b8},
+                            "embedder-aoti-cpu-fp32": {"b1_p50_ms": 1.0, "b8_p50_ms": 1.0}}, "ratios": {}}
+
+    fast = report(2.0, 8.0)
+    assert bench.int8_gate(fast, engines, (1, 8), 1.0) == []
+    assert fast["engines"]["embedder-ort-cpu-int8"]["b1_speedup_vs_fp32"] == 2.0
+    assert fast["ratios"] == {"embedder-ort-cpu-int8/embedder-ort-cpu-fp32@b1": 2.0,
+                              "embedder-ort-cpu-int8/embedder-ort-cpu-fp32@b8": 2.5}   # its own target's sibling
+    slow = bench.int8_gate(report(5.0, 8.0), engines, (1, 8), 1.0)
+    assert slow == ["embedder-ort-cpu-int8 is 0.80× its FP32 sibling embedder-ort-cpu-fp32 at batch 1 (needs ≥ 1×): "
+                    "the INT8 recipe 'ort' does not pay"]
+    assert len(bench.int8_gate(report(2.0, 8.0), engines, (1, 8), 3.0)) == 2        # a stricter goal fails both

@@ -34,7 +34,7 @@ HAS_TRT = importlib.util.find_spec("tensorrt") is not None
 # ----------------------------------------------------------------------------------------------- inspector fixtures
 # TensorRT 10.x schema: engine JSON has "Bindings": [names]; layer inputs/outputs carry one combined
 # "Format/Datatype" string. Shape of the document as produced by IEngineInspector.get_engine_information(JSON) with
-# ProfilingVerbosity.DETAILED (the form trtexec --exportLayerInfo and Polygraphy print for 8.6–10.x; facts §1.7).
+# ProfilingVerbosity.DETAILED (the form trtexec --exportLayerInfo and Polygraphy print for 8.6–10.x).
 # Field values (tactic names, format strings) are representative, not captured from a real build [U].
 INSPECTOR_10X = {
     "Layers": [
@@ -65,7 +65,7 @@ INSPECTOR_10X = {
     "Bindings": ["input", "output"],
 }
 # TensorRT 11.x schema (IEngineInspector migration guide, docs.nvidia.com/deeplearning/tensorrt/11.3.0/api/migration/
-# tensorrt-10x-to-11x-IEngineInspector.html, as summarized in facts §1.7): "Bindings" became "I/O Tensors" with
+# tensorrt-10x-to-11x-IEngineInspector.html): "Bindings" became "I/O Tensors" with
 # {Name, IOMode, DataType, Dimensions, Location, IsShapeInferenceIO, ProfileInfo[{MinShape,OptShape,MaxShape,Format}]},
 # and the layer I/O "Format/Datatype" field is split into "Format" and "DataType". Exact string values are [U].
 INSPECTOR_11X = {
@@ -159,7 +159,7 @@ def test_params_map_to_builder_plan(cfg):
     assert plan.profiles == {"input": {"min": [1, 3, 150, 150], "opt": [8, 3, 150, 150], "max": [32, 3, 150, 150]}}
     assert plan.builder_optimization_level == 3 and plan.workspace_bytes == 2048 << 20
     assert plan.profiling_verbosity == "DETAILED" and plan.hardware_compatibility_level == "NONE"
-    # strongly typed: no precision flag is ever set (they are removed in TensorRT 11, facts §0.1)
+    # strongly typed: no precision flag is ever set (they are removed in TensorRT 11)
     forbidden = {"FP16", "INT8", "BF16", "FP8", "OBEY_PRECISION_CONSTRAINTS", "PREFER_PRECISION_CONSTRAINTS",
                  "EXPLICIT_BATCH"}
     for mode, flag in (("reuse", None), ("strict", "ERROR_ON_TIMING_CACHE_MISS"), ("off", "DISABLE_TIMING_CACHE")):

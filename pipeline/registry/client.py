@@ -111,7 +111,7 @@ def init_sqlite(db: Path) -> None:
 def _bound_waits(timeout_s: float) -> None:
     """MLflow's HTTP client retries 7 times with backoff 2 (minutes); keep the total near `timeout_s`."""
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "2"
-    os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "0.5"
+    os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "1"
     os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_JITTER"] = "0.2"
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, int(round(timeout_s))))
 

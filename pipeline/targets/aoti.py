@@ -11,7 +11,7 @@ generated C++, the path-derived kernel file name, and the `.so`'s debug info and
 top folder is the package file's stem. So every build runs in one fixed absolute directory outside any checkout
 (`/tmp/kiln-aoti-build-<uid>`, private to the user, locked, removed afterwards) and the package is always
 `model.pt2`: the bytes then depend neither on the checkout's path nor on the temp directory. A compile takes
-20–50 s, so the compile stage does not rebuild to check; the target claims bit-identical builds and
+tens of seconds, so the compile stage does not rebuild to check; the target claims bit-identical builds and
 `kiln rebuild-check compile@<engine>` proves it in a fresh process (CI runs it for the embedder).
 Precompiled headers are off (they are written to <tmp>/torchinductor_<user> whatever the cache dir, ~300 MB).
 
@@ -142,7 +142,7 @@ class AotiCpu:
     name = "aoti-cpu"
     reproducibility = Reproducibility(
         "bit-identical", checked_at_compile=False, bound=1e-5,
-        basis="built in one fixed absolute directory (/tmp/kiln-aoti-build-<uid>); a compile takes 20-50 s, so "
+        basis="built in one fixed absolute directory (/tmp/kiln-aoti-build-<uid>); a compile takes tens of seconds, so "
               "`kiln rebuild-check compile@<engine>` proves it on demand rather than on every compile")
 
     def parse_options(self, raw: dict) -> Options:

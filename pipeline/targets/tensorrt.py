@@ -1,6 +1,6 @@
 """`tensorrt`: a TensorRT engine (plan) built from the ONNX parser into a strongly typed network. GPU only.
 
-One build path for TensorRT 10.12+ and 11.x (facts/tensorrt.md §0–1): `STRONGLY_TYPED` when the flag exists (required
+One build path for TensorRT 10.12+ and 11.x: `STRONGLY_TYPED` when the flag exists (required
 on 10.x, a no-op on 11.x), never `EXPLICIT_BATCH` and never a precision flag (`FP16`/`INT8` are gone in 11). The
 precision is what the ONNX carries:
 
@@ -19,12 +19,12 @@ identity input*, so it is deliberately not a DVC out or dep: compile@<engine> is
 would have to own the same file (DVC forbids overlapping outs), and as a dep it would change after each build and
 make the stage always stale. It is git-ignored (under artifacts/), never mixed across TRT versions or GPUs (the key
 is in its name), and each engine manifest records its sha256 before and after the build. `mode: strict` builds with
-`ERROR_ON_TIMING_CACHE_MISS` for "same tactics as last time" (facts §1.4); `off` disables it.
+`ERROR_ON_TIMING_CACHE_MISS` for "same tactics as last time"; `off` disables it.
 
-Engines are not byte-reproducible (tactic timing, `nvrtc_prog_<address>` names; facts §1.4). Equivalence is the
+Engines are not byte-reproducible (tactic timing, `nvrtc_prog_<address>` names). Equivalence is the
 inspector's layer list (name, type, precisions) plus the validate stage's golden gate; the manifest says so.
 
-An engine is bound to the exact TensorRT version, compute capability, GPU, driver, CUDA and platform (facts §6):
+An engine is bound to the exact TensorRT version, compute capability, GPU, driver, CUDA and platform:
 all of them are `probe().rebuild_on` (so DVC rebuilds on any change) and `check_loadable` refuses to deserialize an
 engine whose manifest differs from this host — rebuild, never load.
 
@@ -180,7 +180,7 @@ def network_flags(trt) -> int:  # pragma: no cover - needs TensorRT
 # ---------------------------------------------------------------------------------------------- fingerprint
 def make_fingerprint(trt_version: str, trt_package: str, compute_capability: str, gpu_name: str, driver: str,
                      cuda: str, plat: str | None = None) -> dict[str, str]:
-    """The portability fingerprint (facts §6): an engine is only loadable where every field is equal."""
+    """The portability fingerprint: an engine is only loadable where every field is equal."""
     return {"tensorrt": trt_version, "tensorrt_package": trt_package, "compute_capability": compute_capability,
             "gpu_name": gpu_name, "driver": driver, "cuda": cuda, "platform": plat or host_platform()}
 
@@ -269,7 +269,7 @@ def prepare_onnx(src: Path, precision: str, batch_dim: str = "batch"):
     dim0 = inp.type.tensor_type.shape.dim[0]
     if not dim0.dim_param:
         dim0.ClearField("dim_value")
-        dim0.dim_param = batch_dim          # facts §1.1: a fixed batch makes the profile call fail
+        dim0.dim_param = batch_dim          # a fixed batch makes the profile call fail
     has_qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in model.graph.node)
     if precision == "int8" and not has_qdq:
         raise KilnError(f"{src}: an int8 TensorRT engine needs a QDQ ONNX (explicit quantization)",
@@ -323,7 +323,7 @@ def _tensor(t: Any) -> dict[str, Any]:
 
 
 def parse_inspector(engine_info: dict | str, layers: list | None = None) -> dict[str, Any]:
-    """Engine-inspector JSON (TensorRT 10.x or 11.x schema, facts §1.7) → the manifest's layer/precision summary.
+    """Engine-inspector JSON (TensorRT 10.x or 11.x schema) → the manifest's layer/precision summary.
 
     `engine_info` is `get_engine_information(JSON)`; `layers` optional per-layer `get_layer_information(i, JSON)`
     (used when the engine document lists only names). 10.x: `"Bindings": [names]`, layer I/O with a combined
@@ -397,7 +397,7 @@ def _status() -> tuple[Any, str]:
             f"tensorrt not importable: {str(e).splitlines()[0]}"
     try:
         trt.Builder(trt.Logger(trt.Logger.ERROR))
-    except TypeError as e:  # "factory function returned nullptr": no driver / no device (facts §4.3)
+    except TypeError as e:  # "factory function returned nullptr": no driver / no device
         return None, f"TensorRT cannot initialise CUDA: {e}"
     return trt, ""
 
@@ -572,7 +572,7 @@ class TensorRT:
 
 
 class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
-    """execute_async_v3 over a deserialized engine, with torch CUDA tensors (facts §3.1); no PyCUDA."""
+    """execute_async_v3 over a deserialized engine, with torch CUDA tensors; no PyCUDA."""
 
     def __init__(self, engine_path: Path) -> None:
         import tensorrt as trt

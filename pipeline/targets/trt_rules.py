@@ -1,14 +1,14 @@
 """GPU-free TensorRT audit: check an ONNX statically against the TensorRT ONNX parser's rules.
 
 TensorRT needs a working CUDA driver even to *parse* an ONNX (the parser hangs off a `Builder`, which fails to
-initialise without one — facts/tensorrt.md §4.3), so CI cannot ask TensorRT what it would reject. This module
+initialise without one), so CI cannot ask TensorRT what it would reject. This module
 answers the same question from the graph alone, for what the parser documents:
 
 * the operator table (`SUPPORTED` / `UNSUPPORTED`, below) — source: onnx/onnx-tensorrt `docs/operators.md`,
   "TensorRT 10.15 supports operators in the inclusive range of opset 9 to opset 24" (the 10.x table; the 11.x parser
   keeps the same list for the ops used here). An op in neither list, or in a non-default domain, needs a plugin;
 * opset range 9..24 for the default domain;
-* explicit quantization (same file, plus the TensorRT "explicit quantization" guide, facts §2): `QuantizeLinear`
+* explicit quantization (same file, plus the TensorRT "explicit quantization" guide): `QuantizeLinear`
   input FP32/FP16/BF16 with `y_zero_point` 0; `DequantizeLinear` input INT8/FP8/FP4/INT4 only with `x_zero_point`
   0 (so int32 bias DQ and uint8 activations fail: "UINT8 is only supported as network input or output tensor
   types"); scales must be build-time constants; activations per-tensor; weights per-tensor or per-channel along the
