@@ -139,10 +139,9 @@ def render_stage(spec: stage.Stage, cfg) -> dict[str, Any] | None:
 
 
 def render(cfg) -> str:
-    for name in cfg.targets:                       # every target's own options, once, before DVC runs anything
-        from pipeline import targets
+    from pipeline import targets
 
-        targets.options(cfg, name)
+    targets.check(cfg)          # target names, options and engine sources: once, before DVC runs anything
     doc = {"stages": {}}
     for spec in stages():
         if (body := render_stage(spec, cfg)) is not None:

@@ -39,7 +39,7 @@ def test_probe_records_torch_compiler_and_flags(tmp_path):
 
 def test_target_declares_its_source_kind():
     assert targets.TARGETS["aoti-cpu"].source_kind == "program"
-    assert config.source_kind("aoti-cpu") == "program" and config.source_kind("ort-cpu") == "onnx"
+    assert targets.source_kind("aoti-cpu") == "program" and targets.source_kind("ort-cpu") == "onnx"
 
 
 # ---------------------------------------------------------------------------------------------- program stage
@@ -121,9 +121,10 @@ def test_compiled_package_loads_matches_golden_and_verifies(program_dir, built, 
     (lambda r: r["program"].update(models=["nobody"]), "program.models: no model named 'nobody'", "known models"),
 ])
 def test_source_key_errors(tmp_path, mutate, key, hint):
+    """Structure from config.load; what needs the target registry from targets.check (kiln dag runs both)."""
     p = _write(tmp_path, mutate)
     with pytest.raises(KilnError) as e:
-        config.load(p)
+        targets.check(config.load(p))
     assert str(p) in e.value.message and key in e.value.message, e.value.message
     assert hint in e.value.hint, e.value.hint
 

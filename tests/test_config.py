@@ -15,8 +15,7 @@ def test_repository_params_load():
     assert cfg.model("embedder").input_shape == (3, 150, 150)
     assert cfg.data.sets["golden"].per_photo >= 1 and len(cfg.data.template) == 5
     assert cfg.engine("embedder-ort-cpu-int8").name == "embedder-ort-cpu-int8"     # names come from the keys
-    for name in cfg.targets:
-        targets.options(cfg, name)                                               # every target's options valid
+    targets.check(cfg)                                                           # every target's options valid
 
 
 @pytest.mark.parametrize("mutate, key", [
@@ -33,7 +32,6 @@ def test_repository_params_load():
     (lambda r: r["bench"].update(batches=[1, 0]), "bench.batches"),
     (lambda r: r["register"].update(timeout_s=-1), "register.timeout_s"),
     (lambda r: r["targets"]["ort-cpu"].update(enabled="yes"), "targets.ort-cpu.enabled"),
-    (lambda r: r["targets"].update(gpu9={"enabled": True}), "targets.gpu9: unknown target"),
     (lambda r: r["engines"].update({"../../victim": r["engines"].pop("embedder-ort-cpu-fp32")}),
      "engines.../../victim"),
     (lambda r: r["models"].update({"a b": r["models"]["aligner"]}), "models.a b"),
@@ -66,6 +64,13 @@ def test_target_options_are_validated_by_the_target(tmp_path, option, value, mes
     with pytest.raises(KilnError) as e:
         targets.options(cfg, "ort-cpu")
     assert e.value.message.startswith(str(tmp_path / "params.yaml")) and message in e.value.message
+
+
+def test_unknown_target_is_refused_by_the_registry_check(tmp_path):
+    cfg = config.load(_write(tmp_path, lambda r: r["targets"].update(gpu9={"enabled": True})))
+    with pytest.raises(KilnError, match=r"targets.gpu9: unknown target") as e:
+        targets.check(cfg)
+    assert "ort-cpu" in e.value.hint
 
 
 def test_dag_render_refuses_bad_target_options(tmp_path, capsys):

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import paths, scratch, stage, targets
-from pipeline.config import EngineSpec, source_kind
+from pipeline.config import EngineSpec
+from pipeline.targets import source_kind
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
 from pipeline.targets.base import CompileOptions, OpSupport
@@ -59,6 +60,7 @@ def source_artifact(spec: EngineSpec, root: Path) -> tuple[Path, Path]:
 def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpSupport, list[str]]:
     """Compile into `out` and audit; the fallback policy may refuse. No manifest, no reproducibility check."""
     spec = cfg.engine(engine_name)
+    targets.check(cfg, [engine_name])
     tcfg = cfg.targets[spec.target]
     if not tcfg.enabled:
         raise KilnError(f"engine {engine_name}: target {spec.target} is disabled in params.yaml",

@@ -52,3 +52,36 @@ def options(cfg, name: str):
         return get(name).parse_options(cfg.targets[name].options)
     except KilnError as err:
         raise KilnError(f"{cfg.source}: {err.message}", err.hint) from None
+
+
+def expected_source(engine) -> str:
+    """The artifact an engine compiles: its model's torch.export program (program targets), else the FP32 export or
+    the recipe's INT8 QDQ model."""
+    if source_kind(engine.target) == "program":
+        return f"artifacts/program/{engine.model}"
+    if engine.precision == "int8":
+        return f"artifacts/quantized/{engine.model}-{engine.recipe}"
+    return f"artifacts/export/{engine.model}"
+
+
+def check(cfg, engines: list[str] | None = None) -> None:
+    """What params need the registry for: every configured target exists and its options are valid, and each
+    engine (all, or `engines`) names the source its target compiles. Errors name the params file and key."""
+    for name in cfg.targets:
+        if name not in TARGETS:
+            raise KilnError(f"{cfg.source}: targets.{name}: unknown target",
+                            f"known targets: {', '.join(sorted(TARGETS))}")
+        options(cfg, name)
+    for name in engines if engines is not None else list(cfg.engines):
+        e = cfg.engine(name)
+        where = f"{cfg.source}: engines.{name}"
+        if source_kind(e.target) == "program":
+            if e.precision != "fp32":
+                raise KilnError(f"{where}.precision: {e.target} compiles the FP32 torch.export program; "
+                                f"{e.precision} is not built", "use precision: fp32 for this target")
+            if e.model not in cfg.program.models:
+                raise KilnError(f"{where}.model: {e.model!r} has no torch.export program (program.models)",
+                                f"add {e.model} to program.models")
+        if e.source.rstrip("/") != (want := expected_source(e)):
+            raise KilnError(f"{where}.source: {e.source!r} is not the artifact a {e.precision} {e.target} engine of "
+                            f"{e.model!r} compiles", f"set it to {want}")
