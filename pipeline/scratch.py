@@ -40,7 +40,7 @@ def rebuild(spec: stage.Stage, cfg, key: str | None, root: Path = Path("."),
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(src, dst)
         cmd = [sys.executable, "-m", spec.module, "--params", "params.yaml", *args, *([key] if key else [])]
-        r = subprocess.run(cmd, cwd=scratch, env=stage.cli_env(scratch), capture_output=True, text=True)
+        r = subprocess.run(cmd, cwd=scratch, env=stage.cli_env(), capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["?"])
             raise KilnError(f"{spec.name(key)}: the rebuild in a fresh process failed: {last[-1][:300]}",

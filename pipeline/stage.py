@@ -367,6 +367,6 @@ def main(stage: Stage, body: Callable[[argparse.Namespace, Run], int], argv: lis
     return report_errors(go)
 
 
-def cli_env(root: Path) -> dict[str, str]:
+def cli_env() -> dict[str, str]:
     """Environment for a `python -m pipeline...` child that must run this checkout's code from another cwd."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

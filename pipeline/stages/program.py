@@ -123,7 +123,7 @@ def bytes_in_fresh_process(params: Path, model_name: str, root: Path) -> bytes:
         out = Path(tmp) / PROGRAM_FILE
         r = subprocess.run([sys.executable, "-m", STAGE.module, "--params", str(Path(params).resolve()),
                             "--bytes-only", str(out), model_name], cwd=root, capture_output=True, text=True,
-                           env=stage.cli_env(root))
+                           env=stage.cli_env())
         if r.returncode != 0:
             raise KilnError(f"program@{model_name}: re-export in a fresh process failed: "
                             f"{(r.stderr.strip().splitlines() or ['?'])[-1]}", "run `kiln program` to see the error")
