@@ -59,7 +59,7 @@ def cold_start(target: str, engine_dir: Path, input_shape: tuple[int, ...], max_
     inferences."""
     out = subprocess.run([sys.executable, "-m", coldstart.__name__, target, str(engine_dir),
                           json.dumps(list(input_shape)), str(max_batch), kind], capture_output=True, text=True,
-                         env=stage.cli_env()))
+                         env=stage.cli_env())
     if out.returncode != 0:
         from pipeline.errors import KilnError
 
