@@ -85,14 +85,15 @@ def _outs(spec: stage.Stage, cfg, keys: list[str | None]) -> dict[str, list]:
     for k in keys:
         outs = spec.outs(cfg, k)
         sub = (lambda v: v.replace(k, "${key}")) if k else (lambda v: v)
-        t = [(o.kind, sub(o.path), o.cache, tuple(sorted((a, sub(b)) for a, b in o.plot.items()))) for o in outs]
+        t = [(o.kind, sub(o.path), o.cache, tuple(sorted((a, sub(b)) for a, b in o.plot.items())), o.persist)
+             for o in outs]
         if templates is None:
             templates = t
         elif t != templates and k is not None:
             raise KilnError(f"stage {spec.group}: outputs must differ only by the key", "fix its declaration")
-    for kind, path, cache, plot in templates or []:
+    for kind, path, cache, plot, persist in templates or []:
         entry: Any = path
-        opts = {**({"cache": False} if not cache else {}), **dict(plot)}
+        opts = {**({"cache": False} if not cache else {}), **({"persist": True} if persist else {}), **dict(plot)}
         if opts:
             entry = {path: opts}
         rendered.setdefault(kind, []).append(entry)

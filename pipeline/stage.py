@@ -151,6 +151,7 @@ class Out:
     cache: bool = True
     kind: str = "outs"                          # outs | metrics | plots
     plot: dict[str, str] = field(default_factory=dict)
+    persist: bool = False                       # DVC leaves it in place when the stage runs (not deleted first)
 
 
 Keys = Callable[[Any], list[str]]

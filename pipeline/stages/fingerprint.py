@@ -27,8 +27,9 @@ STAGE = stage.Stage(
     "toolchain", "pipeline.stages.fingerprint",
     "toolchain fingerprints of every configured target + Python package versions (one cheap process; a file "
     "changes only when a fingerprint does)",
-    outs=lambda cfg, key: [stage.Out(paths.toolchain_file(t).as_posix(), cache=False) for t in cfg.targets]
-    + [stage.Out(stage.PYTHON_TOOLCHAIN, cache=False)],
+    # persist: DVC must not delete them before the stage runs, or every run would rewrite them
+    outs=lambda cfg, key: [stage.Out(paths.toolchain_file(t).as_posix(), cache=False, persist=True)
+                           for t in cfg.targets] + [stage.Out(stage.PYTHON_TOOLCHAIN, cache=False, persist=True)],
     always_changed=True)
 
 
