@@ -122,13 +122,12 @@ def test_toolchain_stage_records_unavailable(tmp_path):
 
 
 def _gpu_cfg(tmp_path: Path) -> config.Config:
-    """params.yaml with profiles/gpu.yaml merged over it (what `dvc exp run -S …` / copying over produces)."""
-    base = yaml.safe_load((REPO / "params.yaml").read_text())
-    overlay = yaml.safe_load((REPO / "profiles/gpu.yaml").read_text())
-    base["targets"]["tensorrt"].update(overlay["targets"]["tensorrt"])
-    base["engines"].update(overlay["engines"])
+    """params.yaml with profiles/gpu.yaml merged over it (what `kiln profile gpu` writes)."""
+    from pipeline import profiles
+
     p = tmp_path / "params.yaml"
-    p.write_text(yaml.safe_dump(base))
+    p.write_text((REPO / "params.yaml").read_text())
+    assert profiles.apply("gpu", p, REPO)
     return config.load(p)
 
 
@@ -156,7 +155,7 @@ def test_params_map_to_builder_plan(cfg):
     opts = TrtOptions.parse(cfg.targets["tensorrt"].options)
     plan = build_plan(opts, "input", (3, 150, 150))
     assert plan.network_flags == ("STRONGLY_TYPED",)
-    assert plan.profiles == {"input": {"min": [1, 3, 150, 150], "opt": [8, 3, 150, 150], "max": [32, 3, 150, 150]}}
+    assert plan.profiles == [{"input": {"min": [1, 3, 150, 150], "opt": [8, 3, 150, 150], "max": [32, 3, 150, 150]}}]
     assert plan.builder_optimization_level == 3 and plan.workspace_bytes == 2048 << 20
     assert plan.profiling_verbosity == "DETAILED" and plan.hardware_compatibility_level == "NONE"
     # strongly typed: no precision flag is ever set (they are removed in TensorRT 11)

@@ -133,7 +133,7 @@ class BuildPlan:
     workspace_bytes: int
     profiling_verbosity: str
     hardware_compatibility_level: str
-    profiles: dict[str, dict[str, list[int]]]   # input name → {min, opt, max} full shapes
+    profiles: list[dict[str, dict[str, list[int]]]]   # one per optimization profile: input → {min, opt, max} shapes
     timing_cache_mode: str
 
     def record(self) -> dict[str, Any]:
@@ -150,8 +150,8 @@ def build_plan(opts: TrtOptions, input_name: str, input_shape: tuple[int, ...]) 
     elif opts.timing_cache_mode == "off":
         flags.append("DISABLE_TIMING_CACHE")
     shape = tuple(int(d) for d in input_shape)
-    profiles = {input_name: {"min": [opts.min_batch, *shape], "opt": [opts.opt_batch, *shape],
-                             "max": [opts.max_batch, *shape]}}
+    profiles = [{input_name: {"min": [opts.min_batch, *shape], "opt": [opts.opt_batch, *shape],
+                              "max": [opts.max_batch, *shape]}}]
     return BuildPlan(("STRONGLY_TYPED",), tuple(flags), opts.builder_optimization_level, opts.workspace_mib << 20,
                      "DETAILED", HW_LEVELS[opts.hardware_compatibility], profiles, opts.timing_cache_mode)
 
@@ -163,18 +163,44 @@ def _apply_plan(trt, builder, network, config, plan: BuildPlan) -> None:  # prag
     config.hardware_compatibility_level = getattr(trt.HardwareCompatibilityLevel, plan.hardware_compatibility_level)
     for f in plan.builder_flags:
         config.set_flag(getattr(trt.BuilderFlag, f))
-    prof = builder.create_optimization_profile()
-    for name, s in plan.profiles.items():
-        prof.set_shape(name, tuple(s["min"]), tuple(s["opt"]), tuple(s["max"]))
-    config.add_optimization_profile(prof)
+    for profile in plan.profiles:
+        prof = builder.create_optimization_profile()
+        for name, s in profile.items():
+            prof.set_shape(name, tuple(s["min"]), tuple(s["opt"]), tuple(s["max"]))
+        config.add_optimization_profile(prof)
 
 
-def network_flags(trt) -> int:  # pragma: no cover - needs TensorRT
+def network_flags(trt) -> int:
     """STRONGLY_TYPED where the enum has it (10.x required, 11.x ignored); never EXPLICIT_BATCH (gone in 11)."""
     flags = 0
     if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
         flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     return flags
+
+
+class ParserRejected(KilnError):
+    """The real TensorRT(-RTX) ONNX parser rejected the graph."""
+
+
+def parse_network(trt, logger, data: bytes, label: str, target: str):
+    """The ONNX parser into a strongly typed network: (builder, network), or a KilnError naming the nodes it
+    rejected. Shared by every TensorRT-family target (the APIs agree here)."""
+    builder = trt.Builder(logger)
+    network = builder.create_network(network_flags(trt))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse(data, label):
+        errors = [parser.get_error(i) for i in range(parser.num_errors)]
+        raise ParserRejected(f"{target}: the ONNX parser rejected {label}: " + "; ".join(
+            f"node {e.node()} {e.node_name()} ({e.node_operator()}): {e.desc()}" for e in errors[:5]),
+            "see pipeline/targets/trt_rules.py for the rules the static audit checks")
+    if network.num_inputs != 1:
+        raise KilnError(f"{target}: {label} has {network.num_inputs} inputs; this target builds one profile over "
+                        "the batch of a single input", "compile multi-input graphs (the aligner) with ort-cpu")
+    dims = tuple(network.get_input(0).shape)[1:]
+    if any(d < 0 for d in dims):
+        raise KilnError(f"{target}: {label} has dynamic non-batch dimensions {dims}; this target's profile spans "
+                        "the batch only", "compile graphs with dynamic H×W (P-Net) with ort-cpu or aoti-cpu")
+    return builder, network
 
 
 # ---------------------------------------------------------------------------------------------- fingerprint
@@ -367,23 +393,57 @@ def parse_inspector(engine_info: dict | str, layers: list | None = None) -> dict
             "layer_signature": hashlib.sha256(json.dumps(signature, sort_keys=True).encode()).hexdigest()}
 
 
-_COMPUTE_LAYER = re.compile(r"conv|gemm|matrixmultiply|fullyconnected|deconvolution|matmul", re.I)
+# compute layers: TensorRT's names, and the Myelin backend's (a convolution runs as "correlation", or inside a
+# "runtime_fusion" with its epilogue)
+_COMPUTE_LAYER = re.compile(r"conv|correlation|gemm|matrixmultiply|fullyconnected|deconvolution|matmul|runtime_fusion",
+                            re.I)
+COMPUTE_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+
+
+def compute_nodes(model) -> dict[str, str]:
+    """The ONNX compute nodes (name → op type) of the graph TensorRT parsed: what the builder audit accounts for."""
+    return {n.name: n.op_type for n in model.graph.node if n.op_type in COMPUTE_OPS}
 
 
 def inspector_audit(summary: dict[str, Any], precision: str) -> OpSupport:
-    """Per compute layer of a built engine: native in `precision` (its first input's dtype), or what it runs as."""
+    """Which compute work of a built engine runs in `precision` (a layer's first input dtype).
+
+    With `summary["onnx_compute_nodes"]` (name → op, recorded at build) the unit is the ONNX compute node, as in the
+    static audit: each is judged by the compute layer that covers it (a layer's metadata names the ONNX nodes it
+    fuses; quantize / cast prologues are not compute layers), and a node no compute layer covers is reported.
+    Without it, each compute layer counts once."""
     want = {"fp32": "float32", "fp16": "float16", "int8": "int8"}[precision]
     native, fallback, other = Counter(), [], Counter()
+
+    def is_compute(layer) -> bool:
+        return bool(_COMPUTE_LAYER.search(layer["type"] or "") or _COMPUTE_LAYER.search(layer.get("parameter_type", "")))
+
+    def runs(layer) -> str:
+        return layer["inputs"][0] if layer["inputs"] else "unknown"
+
     for layer in summary["layers"]:
-        kind = layer["type"] or "unknown"
-        if _COMPUTE_LAYER.search(kind) or _COMPUTE_LAYER.search(layer.get("parameter_type", "")):
-            runs = layer["inputs"][0] if layer["inputs"] else "unknown"
-            if runs == want:
-                native[kind] += 1
+        if not is_compute(layer):
+            other[layer["type"] or "unknown"] += 1
+    nodes = summary.get("onnx_compute_nodes")
+    if nodes is None:
+        for layer in filter(is_compute, summary["layers"]):
+            if runs(layer) == want:
+                native[layer["type"]] += 1
             else:
-                fallback.append({"node": layer["name"], "op": kind, "runs_as": runs})
+                fallback.append({"node": layer["name"], "op": layer["type"], "runs_as": runs(layer)})
+        return OpSupport(precision, dict(sorted(native.items())), fallback, dict(sorted(other.items())))
+    covering: dict[str, list] = {}
+    for layer in filter(is_compute, summary["layers"]):
+        for name in layer["onnx"]:
+            covering.setdefault(name, []).append(layer)
+    for name, op in sorted(nodes.items()):
+        layers = covering.get(name, [])
+        if not layers:
+            fallback.append({"node": name, "op": op, "runs_as": "no compute layer names it"})
+        elif all(runs(x) == want for x in layers):
+            native[op] += 1
         else:
-            other[kind] += 1
+            fallback.append({"node": name, "op": op, "runs_as": ",".join(sorted({runs(x) for x in layers}))})
     return OpSupport(precision, dict(sorted(native.items())), fallback, dict(sorted(other.items())))
 
 
@@ -435,11 +495,6 @@ def _device_fingerprint(trt) -> dict[str, str]:  # pragma: no cover - needs a GP
     return make_fingerprint(trt.__version__, pkg, f"{major}.{minor}", name, driver, cuda)
 
 
-def _root_of(out: Path) -> Path:
-    """The project root of an engine directory (root/artifacts/engines/<name>, or its temporary sibling)."""
-    return Path(out).resolve().parents[2]
-
-
 class TensorRT:
     name = "tensorrt"
     # compiles artifacts/export (fp32, fp16) or artifacts/quantized/<model>-symmetric (int8)
@@ -447,6 +502,10 @@ class TensorRT:
 
     def check_package(self, engine_dir: Path) -> None:
         """A serialized plan is deserialized by TensorRT itself (check_loadable first); nothing is extracted."""
+
+    def runnable(self, engine_dir: Path | None) -> tuple[bool, str]:
+        tc = self.probe()
+        return tc.available, "" if tc.available else f"no runtime for {self.name} on this host ({tc.reason})"
 
     def parse_options(self, raw: dict[str, Any]) -> "TrtOptions":
         return TrtOptions.parse(raw)
@@ -491,23 +550,12 @@ class TensorRT:
             raise KilnError(f"tensorrt: unavailable ({reason})", "build TensorRT engines on a GPU host")
         fp = _device_fingerprint(trt)
         logger = trt.Logger(trt.Logger.WARNING)
-        builder = trt.Builder(logger)
-        network = builder.create_network(network_flags(trt))
-        parser = trt.OnnxParser(network, logger)
-        if not parser.parse(data, str(onnx)):
-            errors = [parser.get_error(i) for i in range(parser.num_errors)]
-            raise KilnError("tensorrt: ONNX parse failed: " + "; ".join(
-                f"node {e.node()} {e.node_name()} ({e.node_operator()}): {e.desc()}" for e in errors[:5]),
-                "see pipeline/targets/trt_rules.py for the rules the static audit checks")
-        if network.num_inputs != 1:
-            raise KilnError(f"tensorrt: {onnx} has {network.num_inputs} inputs; this target builds one profile over "
-                            "the batch of a single input", "compile multi-input graphs (the aligner) with ort-cpu")
+        builder, network = parse_network(trt, logger, data, str(onnx), self.name)
         inp = network.get_input(0)
         plan = build_plan(opts, inp.name, tuple(inp.shape)[1:])
         config = builder.create_builder_config()
         _apply_plan(trt, builder, network, config, plan)
-        cache_dir = Path(opts.timing_cache_dir)
-        cache_dir = cache_dir if cache_dir.is_absolute() else _root_of(out) / cache_dir
+        cache_dir = Path(opts.timing_cache_dir)     # relative: to the project root, where stages run
         key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"trt{fp['tensorrt']}-sm{fp['compute_capability']}-{fp['gpu_name']}")
         cache_file = cache_dir / f"{key}.timing"
         old = cache_file.read_bytes() if opts.timing_cache_mode != "off" and cache_file.is_file() else b""
@@ -571,12 +619,30 @@ class TensorRT:
         return TrtRunner(Path(engine_dir) / ENGINE_FILE)
 
 
-class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
-    """execute_async_v3 over a deserialized engine, with torch CUDA tensors; no PyCUDA."""
+def pick_profile(ranges: list[tuple[int, int]], batch: int) -> tuple[int, int]:
+    """(profile index, batch to run) for `batch` over profiles' (min, max) batch ranges: the first range holding it,
+    else the smallest bucket above it (the caller pads the batch up and drops the padding's outputs)."""
+    for i, (lo, hi) in enumerate(ranges):
+        if lo <= batch <= hi:
+            return i, batch
+    above = [(lo, i) for i, (lo, hi) in enumerate(ranges) if lo >= batch]
+    if not above:
+        raise KilnError(f"batch {batch} is above every optimization profile of the engine "
+                        f"(max {max(hi for _, hi in ranges)})", "split the batch, or rebuild with a larger bucket")
+    lo, i = min(above)
+    return i, lo
 
-    def __init__(self, engine_path: Path) -> None:
-        import tensorrt as trt
+
+class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
+    """execute_async_v3 over a deserialized engine, with torch CUDA tensors; no PyCUDA. An engine with several
+    optimization profiles (static batch buckets) runs each batch in the profile that holds it, padded up to the
+    next bucket where none does."""
+
+    def __init__(self, engine_path: Path, trt=None) -> None:
         import torch
+
+        if trt is None:
+            import tensorrt as trt
 
         self.trt, self.torch = trt, torch
         self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(engine_path.read_bytes())
@@ -589,6 +655,11 @@ class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
         self.dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int8: torch.int8,
                        trt.int32: torch.int32, trt.int64: torch.int64, trt.bool: torch.bool}
         self.stream = torch.cuda.Stream()
+        first = self.inputs[0]
+        self.ranges = [(int(mn[0]), int(mx[0])) for mn, _, mx in
+                       (self.engine.get_tensor_profile_shape(first, i)
+                        for i in range(self.engine.num_optimization_profiles))]
+        self.profile = 0
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self.run_all({self.inputs[0]: batch})[0]
@@ -598,9 +669,17 @@ class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
         torch, eng, ctx = self.torch, self.engine, self.ctx
         if set(feed) != set(self.inputs):
             feed = dict(zip(self.inputs, feed.values()))
+        n = len(next(iter(feed.values())))
+        profile, padded = pick_profile(self.ranges, n)
+        if profile != self.profile:
+            ctx.set_optimization_profile_async(profile, self.stream.cuda_stream)
+            self.profile = profile
         keep = []
         for name in self.inputs:
-            x = torch.from_numpy(np.ascontiguousarray(feed[name])).to("cuda", self.dtypes[eng.get_tensor_dtype(name)])
+            a = np.ascontiguousarray(feed[name])
+            if padded > n:
+                a = np.concatenate([a, np.zeros((padded - n, *a.shape[1:]), a.dtype)])
+            x = torch.from_numpy(a).to("cuda", self.dtypes[eng.get_tensor_dtype(name)])
             ctx.set_input_shape(name, tuple(x.shape))
             ctx.set_tensor_address(name, x.data_ptr())
             keep.append(x)
@@ -613,4 +692,4 @@ class TrtRunner:  # pragma: no cover - needs TensorRT + GPU
         if not ctx.execute_async_v3(self.stream.cuda_stream):
             raise RuntimeError("TensorRT enqueue failed")
         self.stream.synchronize()
-        return [outs[n].float().cpu().numpy() for n in self.outputs]
+        return [outs[name].float().cpu().numpy()[:n] for name in self.outputs]
