@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install Kiln from the hash-locked requirements. Idempotent: a second run is a no-op check.
-# Usage: bash scripts/setup.sh [--test]     (--test adds the test-only lock: pytest, dlib-bin)
+# Usage: bash scripts/setup.sh [--test] [--profile rtx]
+#   --test          adds the test-only lock (pytest, dlib-bin) and every profile lock the tests build with (rtx)
+#   --profile rtx   adds lockfiles/rtx.txt: the TensorRT-RTX wheels the tensorrt-rtx target builds with (profiles/rtx.yaml)
 #        bash scripts/setup.sh --torch-source   (print where the pinned torch wheel would come from, then exit)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +16,16 @@ torch_source() {
   else echo "--extra-index-url $TORCH_INDEX"; fi
 }
 if [ "${1:-}" = "--torch-source" ]; then torch_source; exit 0; fi
+TEST=0; PROFILES=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --test) TEST=1; PROFILES+=(rtx) ;;
+    --profile) [[ "${2:-}" =~ ^[a-z0-9-]+$ && -f "lockfiles/${2:-}.txt" ]] || { echo "kiln setup: error: no lockfile lockfiles/${2:-}.txt for --profile ${2:-}" >&2; exit 2; }
+               PROFILES+=("$2"); shift ;;
+    *) echo "kiln setup: error: unknown argument $1 (use --test, --profile NAME, --torch-source)" >&2; exit 2 ;;
+  esac
+  shift
+done
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), "Kiln needs Python 3.11, found " + sys.version' \
@@ -23,6 +35,7 @@ command -v "$PY" >/dev/null || PY=python3
 pipi() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@" 2> >(grep -v 'is ignored: it is neither' >&2); }
 # shellcheck disable=SC2046  # torch_source prints two words on purpose
 pipi $(torch_source) --require-hashes --no-deps -r lockfiles/main.txt
-if [ "${1:-}" = "--test" ]; then pipi --require-hashes --no-deps -r lockfiles/test.txt; fi
+if [ "$TEST" = 1 ]; then pipi --require-hashes --no-deps -r lockfiles/test.txt; fi
+for p in $(printf '%s\n' "${PROFILES[@]}" | sort -u); do pipi --require-hashes --no-deps -r "lockfiles/$p.txt"; done
 pipi --no-deps --no-build-isolation -e .
 .venv/bin/python -m pip check >/dev/null || { .venv/bin/python -m pip check; exit 1; }

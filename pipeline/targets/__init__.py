@@ -23,6 +23,7 @@ TARGETS: dict[str, Entry] = {
     "ort-cpu": Entry("pipeline.targets.ort_cpu", "OrtCpu", "onnx"),
     "aoti-cpu": Entry("pipeline.targets.aoti", "AotiCpu", "program"),
     "tensorrt": Entry("pipeline.targets.tensorrt", "TensorRT", "onnx"),
+    "tensorrt-rtx": Entry("pipeline.targets.tensorrt_rtx", "TensorRTRTX", "onnx"),
 }
 
 

@@ -255,6 +255,9 @@ class AotiCpu:
                 "results": {"package": {"cpu_isa": meta.get("AOTI_CPU_ISA"), "device": meta.get("AOTI_DEVICE_KEY"),
                                         "generated_cpp_bytes": sum(len(src.get(k, "")) for k in ("wrapper", "kernel"))}}}
 
+    def runnable(self, engine_dir: Path | None) -> tuple[bool, str]:
+        return True, ""
+
     def check_package(self, engine_dir: Path) -> None:
         """Refuse a package whose entries could escape the loader's extraction directory (absolute paths, `..`,
         backslashes, links) before torch's loader extracts it."""

@@ -8,6 +8,8 @@
     load(engine_dir) → Runner   Runner.run(batch) → first output; Runner.run_all(feed) → every output
     manifest_extras(engine_dir) → {"build": …, "results": …}   what the engine carries beside its files
     check_package(engine_dir)   refuse a package whose contents could escape extraction (before `load`)
+    runnable(engine_dir) → (ok, why)   can this host run the engine? A build-only target (tensorrt-rtx builds
+                                        RTX-GPU engines on a CPU) says why not; validate@ then records `not run`
     reproducibility → Reproducibility   the class of equivalence the target promises between two builds, and
                                         whether compile proves it by rebuilding in a fresh process
 
@@ -111,6 +113,8 @@ class Target(Protocol):
     def manifest_extras(self, engine_dir: Path) -> dict[str, Any]: ...
 
     def check_package(self, engine_dir: Path) -> None: ...   # refuse an unsafe package before `load` extracts it
+
+    def runnable(self, engine_dir: Path | None) -> tuple[bool, str]: ...
 
 
 def validate_options(model: type, raw: dict[str, Any], target: str) -> Any:

@@ -48,6 +48,9 @@ class OrtCpu:
     def manifest_extras(self, engine_dir: Path) -> dict:
         return {}
 
+    def runnable(self, engine_dir: Path | None) -> tuple[bool, str]:
+        return True, ""
+
     def check_package(self, engine_dir: Path) -> None:
         """An ONNX file and a JSON file: nothing is extracted, so nothing to check beyond their digests."""
 
