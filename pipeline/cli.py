@@ -157,6 +157,26 @@ def cmd_history(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from pipeline import profiles
+
+    changed = profiles.apply(args.name, args.params)
+    if not changed:
+        print(f"profile {args.name}: already applied to {args.params}; nothing changed")
+        return 0
+    print(f"profile {args.name}: merged into {args.params} ({len(changed)} key(s)): " + ", ".join(changed))
+    print("next: bash scripts/setup.sh --profile " + args.name + " (its toolchain), then bash scripts/run.sh")
+    return 0
+
+
+def cmd_validate_release(args) -> int:
+    from pipeline import revalidate
+
+    result = revalidate.run(_cfg(args), args.name, int(args.version))
+    print(result.line())
+    return 0 if result.passed else 1
+
+
 def cmd_registry(args) -> int:
     from pipeline.stages import register
 
@@ -211,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("history", cmd_history, "show the recorded alias moves (register, promote, rollback) of a model")
     p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
     p.add_argument("--alias", help="only this alias (e.g. production)")
+    p = add("validate-release", cmd_validate_release, "validate a registered version on this host (the one a "
+            "build-only version needs: a host with the runtime): download and verify it, run the face-task gate, "
+            "attach the verdict to the registry; a pass makes it promotable (exit 1 = fail)")
+    p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
+    p.add_argument("version", help="model version number")
+    p = add("profile", cmd_profile, "merge profiles/NAME.yaml into params.yaml (comments kept, checked, atomic; "
+            "twice changes nothing), e.g. `kiln profile rtx`")
+    p.add_argument("name", help="profile name (profiles/<name>.yaml)")
     p = add("registry", cmd_registry, "registry maintenance: `kiln registry sync` registers every built, validated "
             "engine and index (idempotent) — for a new or lost registry")
     p.add_argument("action", choices=["sync"])

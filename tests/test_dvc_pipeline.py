@@ -261,6 +261,38 @@ def test_a_lost_registry_is_filled_again_by_sync(repo):
 
 
 @pytest.mark.slow
+def test_the_rtx_profile_builds_embedder_engines_as_built_only(repo):
+    """What a user does with the profile: `kiln profile rtx`, derive the DAG, `dvc repro`. The TensorRT-RTX engines
+    build on this CPU (bit-identical rebuilds), validate as not-run, register as `built`; promotion refuses them;
+    a second repro runs nothing. The copy is put back afterwards."""
+    saved = {f: (repo / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock")}
+    try:
+        r = kiln(repo, "profile", "rtx")
+        assert r.returncode == 0 and "targets.tensorrt-rtx.enabled" in r.stdout, r.stdout + r.stderr
+        assert "nothing changed" in kiln(repo, "profile", "rtx").stdout
+        assert kiln(repo, "dag", "--write").returncode == 0
+        first = dvc(repo, "repro")
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        built = {s for s in ran(first.stdout) if "tensorrt-rtx" in s}
+        engines = ("embedder-tensorrt-rtx-fp32", "embedder-tensorrt-rtx-fp16", "embedder-tensorrt-rtx-int8")
+        assert {f"{g}@{e}" for g in ("compile", "validate", "register") for e in engines} <= built, first.stdout
+        for e in engines:
+            verdict = json.loads((repo / f"artifacts/validation/{e}/validation.json").read_text())
+            assert verdict["verdict"] == "not-run", verdict
+            receipt = json.loads((repo / f"artifacts/registry/{e}/receipt.json").read_text())
+            assert receipt["verdict"] == "not-run"
+        assert "built only" in (repo / "artifacts/reports/fallback.md").read_text()
+        refused = kiln(repo, "promote", "embedder-tensorrt-rtx-int8", "1")
+        assert refused.returncode == 1 and "no host with the runtime has validated it" in refused.stderr
+        again = dvc(repo, "repro")
+        assert again.returncode == 0 and ran(again.stdout) == {"toolchain"}, again.stdout
+        assert kiln(repo, "verify", "artifacts/engines").returncode == 0
+    finally:
+        for f, text in saved.items():
+            (repo / f).write_text(text)
+
+
+@pytest.mark.slow
 def test_failing_gate_stops_the_dag(repo):
     params = repo / "params.yaml"
     original = params.read_text()

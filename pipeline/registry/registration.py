@@ -9,8 +9,9 @@ metrics and the record of its build (git commit, host), and registered as a vers
   concurrent registrations of one engine make one version, on SQLite and on a tracking server alike.
 * The digests a version will be checked against (content, manifest, verdict manifest) are logged as run
   parameters, which MLflow never lets anyone change; tags are conveniences for search and display.
-* Only a passing verdict makes a `candidate`. A failed artifact is refused unless `allow_failed`, and is then
-  registered without an alias, its verdict tag `fail`, with a warning.
+* Only a passing verdict makes a `candidate`. A `not-run` verdict (a build-only engine: no runtime on the build
+  host) registers with alias `built`. A failed artifact is refused unless `allow_failed`, and is then registered
+  without an alias, its verdict tag `fail`, with a warning.
 * The receipt (pipeline/stages/register.py) names what was registered by content only; the version number and
   tracking URI belong to one registry and go to the stage's record.
 """
@@ -35,7 +36,7 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (canonical_json, identity_digest, manifest_path, read_manifest, verify_manifest,
                                write_json_atomic)
 from pipeline.registry.client import Registry, errors, redact, registered_name
-from pipeline.registry.releases import CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, now, record_move
+from pipeline.registry.releases import BUILT, CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, now, record_move
 
 BENCH_FILE = "bench.json"
 RECORD_FILE = "build-record.json"
@@ -168,8 +169,8 @@ def _check(art: Registrable, root: Path) -> tuple[dict, dict, dict]:
     if verdict.get("engine_manifest_xxh3_128") != ident or ident not in refs:
         raise KilnError(f"{vfile}: validated a different build of {art.name}",
                         f"the artifact changed since its validation; rerun it (dvc repro {stage})")
-    if verdict.get("verdict") not in ("pass", "fail"):
-        raise KilnError(f"{vfile}: no pass/fail verdict", "validate it again")
+    if verdict.get("verdict") not in ("pass", "fail", "not-run"):
+        raise KilnError(f"{vfile}: no pass / fail / not-run verdict", "validate it again")
     return manifest, vmanifest, verdict
 
 
@@ -178,7 +179,7 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
     """Register `art` once per content digest. A failed verdict is refused unless allowed."""
     root = Path(root)
     manifest, vmanifest, verdict = _check(art, root)
-    if verdict["verdict"] != "pass" and not allow_failed:
+    if verdict["verdict"] == "fail" and not allow_failed:
         raise GateFailed(f"{art.name}: its validation failed ({'; '.join(verdict.get('failures') or [])[:300]}); "
                          "not registered", "fix it, or register it deliberately with --allow-failed (no alias)")
     name, digest = registered_name(cfg, art.name), artifact_digest(manifest)
@@ -190,7 +191,7 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
                 version, new = min(int(v.version) for v in existing), False
             else:
                 version, new = _log_and_register(reg, cfg, art, name, manifest, vmanifest, verdict, digest), True
-    if new and verdict["verdict"] != "pass":
+    if new and verdict["verdict"] == "fail":
         print(f"kiln: WARNING: {name} v{version} registered with a FAILED validation (--allow-failed); it has no "
               "alias and `kiln promote` will refuse it", file=sys.stderr)
     return Receipt(name, version, digest, redact(reg.uri), new, verdict["verdict"], identity_digest(manifest),
@@ -265,11 +266,12 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
     # = mlflow.register_model(f"models:/{model_id}", name, tags=tags), minus its global client and its chatter
     mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
     version = int(mv.version)
-    if verdict["verdict"] == "pass":
-        previous = reg.aliases(name).get(CANDIDATE)
-        client.set_registered_model_alias(name, CANDIDATE, str(version))
-        record_move(reg, AliasMove(name, CANDIDATE, previous, version, "register", actor_name(), now(),
-                                   f"registered {art.name} sha256 {digest[:12]} (validation pass)"))
+    alias = {"pass": CANDIDATE, "not-run": BUILT}.get(verdict["verdict"])
+    if alias:
+        previous = reg.aliases(name).get(alias)
+        client.set_registered_model_alias(name, alias, str(version))
+        record_move(reg, AliasMove(name, alias, previous, version, "register", actor_name(), now(),
+                                   f"registered {art.name} sha256 {digest[:12]} (validation {verdict['verdict']})"))
     return version
 
 

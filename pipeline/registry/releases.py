@@ -9,6 +9,9 @@
   against the digests logged as the version's run parameters at registration (run parameters cannot be changed
   afterwards, unlike tags); and the verdict is read from that verified validation.json, never from a tag. Editing
   a tag, a stored file, a manifest or the verdict is refused.
+* A built-only version (verdict `not-run`: no runtime on the build host) is promoted only once a host with the
+  runtime validated it: `kiln validate-release` (pipeline/revalidate.py) logs that validation as a run of the
+  experiment `kiln-validations`, its digests as run parameters; promote checks it exactly as the stored one.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from pipeline.manifest import check_files, identity_digest, manifest_path, read_
 from pipeline.registry.client import Registry, errors, redact, registered_name
 
 RELEASES_EXPERIMENT = "kiln-releases"
-PRODUCTION, CANDIDATE = "production", "candidate"
+VALIDATIONS_EXPERIMENT = "kiln-validations"     # validations of registered versions made on another host
+PRODUCTION, CANDIDATE, BUILT = "production", "candidate", "built"
 KILN_DIR = "kiln"            # validation.json, its manifest, bench metrics and the build record inside a version
 PARAM = "kiln."              # run parameters holding the digests a version is checked against
 
@@ -192,16 +196,63 @@ def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Veri
     return Verified(local, manifest, verdict, params)
 
 
+def attached_verdicts(reg: Registry, name: str, version: int, manifest: dict[str, Any], dst: Path
+                      ) -> list[tuple[str, dict[str, Any]]]:
+    """Validations of this exact version made on another host (`kiln validate-release`), each verified against its
+    run's parameters: [(run id, validation.json)]; a run that does not verify is left out."""
+    import json
+
+    from mlflow.artifacts import download_artifacts
+
+    exp = reg.client.get_experiment_by_name(VALIDATIONS_EXPERIMENT)
+    if exp is None:
+        return []
+    ident = identity_digest(manifest)
+    found = []
+    for run in reg.client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{name}'", max_results=1000):
+        p = run.data.params
+        if run.info.status != "FINISHED" or p.get(PARAM + "manifest_xxh3_128") != ident \
+                or p.get(PARAM + "version") != str(version):
+            continue
+        local = Path(download_artifacts(run_id=run.info.run_id, artifact_path=KILN_DIR, dst_path=str(dst / run.info
+                                                                                                   .run_id),
+                                        tracking_uri=reg.engine_uri))
+        mfiles = list(local.glob("*.manifest.json"))
+        if len(mfiles) != 1:
+            continue
+        try:
+            vm = read_manifest(mfiles[0])
+        except KilnError:
+            continue
+        if check_files(mfiles[0], vm) or identity_digest(vm) != p.get(PARAM + "validation_manifest_xxh3_128"):
+            continue
+        doc = json.loads((local / paths.VALIDATION_FILE).read_text())
+        if doc.get("engine_manifest_xxh3_128") == ident:
+            found.append((run.info.run_id, doc))
+    return found
+
+
 def check_version(reg: Registry, name: str, version: int) -> str:
-    """Gate one version for production: every stored file verified, and its verified verdict is pass."""
+    """Gate one version for production: every stored file verified, and its verified verdict is pass — the one
+    stored at registration or, for a built-only version, one attached later by a host with the runtime."""
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
         v = download_verified(reg, name, version, Path(tmp))
-        if v.verdict.get("verdict") != "pass":
-            raise GateFailed(f"{name} v{version}: its stored validation verdict is {v.verdict.get('verdict')!r}, not "
+        verdict = v.verdict.get("verdict")
+        tag = (reg.version(name, version).tags or {}).get("validation")
+        note = "" if tag in (None, verdict) else f" (its `validation` tag says {tag!r}; the stored verdict rules)"
+        if verdict == "not-run":
+            passed = [rid for rid, doc in attached_verdicts(reg, name, version, v.manifest, Path(tmp) / "attached")
+                      if doc.get("verdict") == "pass"]
+            if not passed:
+                raise GateFailed(f"{name} v{version}: built only — its build host could not run it "
+                                 f"({v.verdict.get('not_run', 'no runtime')}), and no host with the runtime has "
+                                 "validated it; refusing to promote",
+                                 f"on a host with the runtime: kiln validate-release {name} {version}")
+            return f"validation pass attached by run {passed[-1]} (the build host could not run it)"
+        if verdict != "pass":
+            raise GateFailed(f"{name} v{version}: its stored validation verdict is {verdict!r}, not "
                              "'pass'; refusing to promote", "fix the engine, rebuild and validate it, register the new "
                              "version, and promote that")
-        tag = (reg.version(name, version).tags or {}).get("validation")
-        note = "" if tag in (None, "pass") else f" (its `validation` tag says {tag!r}; the stored verdict rules)"
         return f"validation pass (stored, digest-checked), {len(v.manifest['files'])} file(s) verified{note}"
 
 
@@ -214,10 +265,8 @@ def fetch_release(cfg, engine_name: str, dst: Path, root: Path = Path(".")) -> t
         version = reg.aliases(name).get(PRODUCTION)
         if version is None:
             raise KilnError(f"{name}: no production version", f"promote one first: kiln promote {name} VERSION")
+        check_version(reg, name, version)
         v = download_verified(reg, name, version, Path(dst))
-        if v.verdict.get("verdict") != "pass":
-            raise GateFailed(f"{name} v{version}: production version's stored verdict is not pass",
-                             f"roll it back: kiln rollback {name}")
     return v.directory, version
 
 
@@ -275,5 +324,6 @@ def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
             return _move(reg, name, target, "rollback", actor, reason, summary)
 
 
-__all__ = ["AliasMove", "CANDIDATE", "PRODUCTION", "RELEASES_EXPERIMENT", "check_version", "download_verified",
-           "fetch_release", "history", "promote", "record_move", "redact", "rollback"]
+__all__ = ["AliasMove", "BUILT", "CANDIDATE", "PRODUCTION", "RELEASES_EXPERIMENT", "VALIDATIONS_EXPERIMENT",
+           "attached_verdicts", "check_version", "download_verified", "fetch_release", "history", "promote",
+           "record_move", "redact", "rollback"]

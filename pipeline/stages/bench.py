@@ -145,6 +145,10 @@ def measure_model(cfg, model_name: str, root: Path = Path("."), progress=print) 
     inputs = {b: synthetic_feed(mcfg.samples, mcfg.input_shape, b) for b in bcfg.batches}
     report: dict = {"model": model_name, "engines": {}, "ratios": {}, "host": toolchain.host(),
                     "isa": toolchain.cpu()["isa"], "settings": cfg.section("bench")}
+    not_run = {e.name: why for e in engines
+               for ok, why in [targets.get(e.target).runnable(paths.engine(e.name, root))] if not ok}
+    engines = [e for e in engines if e.name not in not_run]       # build-only here: reported, not timed
+    report["not_run"] = not_run
     for e in engines:  # cold start first, in fresh processes, before this process warms anything
         report["engines"][e.name] = cold_start(e.target, paths.engine(e.name, root), mcfg.input_shape,
                                                max(bcfg.batches), mcfg.samples)
@@ -189,6 +193,8 @@ def table(report: dict, batches: tuple[int, ...], extra: dict[str, dict[str, flo
                     + [m.get(f"b{b}_speedup_vs_fp32") for b in batches]
                     + [m.get("cold_start_ms"), m.get("peak_rss_mb"), m.get("engine_rss_mb")]
                     + [extra.get(name, {}).get(c) for c in extra_cols])
+    for name in report.get("not_run", {}):          # build-only here: listed, never timed, never a winner
+        rows.append([f"{name} (built only: not run here)"] + [None] * len(cols))
     return tables.markdown(["engine", *cols], rows)
 
 
@@ -198,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     def body(args, run_) -> int:
         r = run(args.cfg, args.key)
         print(table(r.report, args.cfg.bench.batches))
+        for name, why in r.report["not_run"].items():
+            print(f"  {name}: built only, not timed — {why}")
         if r.failures:
             raise GateFailed("; ".join(r.failures), "change the quantization recipe or drop the INT8 engine")
         return 0

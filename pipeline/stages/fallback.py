@@ -2,7 +2,8 @@
 
 Sources, labelled in every row:
 
-* `engine` — a built engine's manifest, `results.audit` (ort-cpu, aoti-cpu, or tensorrt built on a GPU host);
+* `engine` — a built engine's manifest, `results.audit` (ort-cpu, aoti-cpu, tensorrt built on a GPU host, or
+  tensorrt-rtx: the builder's own layer list, noted "built only", with any disagreement with the static rules);
 * `static` — for a TensorRT engine not built on this host: trt_rules' audit of the ONNX the engine would be built
   from (read from artifacts/reports/trt-audit/<model>.json, or computed if that report is absent). Static rows say
   `parses: false` where the TensorRT ONNX parser would reject the graph (the engine would not build at all);
@@ -70,7 +71,13 @@ def rows(cfg, root: Path = Path(".")) -> list[dict]:
         covered.add((spec.model, spec.target, spec.precision))
         if m.is_file():
             doc = json.loads(m.read_text())
-            out.append(_row(spec.model, spec.target, spec.precision, name, "engine", doc["results"]["audit"]))
+            notes = []
+            if (doc.get("build") or {}).get("build_only"):
+                notes.append("built only (builder's layer audit; not run on this host)")
+            if found := (doc.get("results") or {}).get("disagreements_with_static_rules"):
+                notes.append(f"{len(found)} disagreement(s) with the static rules: " + "; ".join(found[:3]))
+            out.append(_row(spec.model, spec.target, spec.precision, name, "engine", doc["results"]["audit"],
+                            note="; ".join(notes)))
         elif spec.target in STATIC_TARGETS:
             covered.discard((spec.model, spec.target, spec.precision))   # filled by the static rows below
         else:

@@ -74,7 +74,9 @@ def sync(cfg, root: Path = Path("."), progress=print) -> list[reg.Receipt]:
 def print_receipt(label: str, r: reg.Receipt, run_: stage.Run) -> None:
     run_.record.update(registered_model=r.name, version=r.version, tracking_uri=r.tracking_uri, new=r.new)
     state = "registered new version" if r.new else "already registered as version"
-    print(f"{label}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…, validation {r.verdict}) "
+    alias = {"pass": ", alias candidate", "not-run": ", alias built: promotable once a host with the runtime "
+             f"passes it (kiln validate-release {r.name} {r.version})"}.get(r.verdict, "") if r.new else ""
+    print(f"{label}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…, validation {r.verdict}{alias}) "
           f"in {r.tracking_uri}")
 
 

@@ -6,10 +6,15 @@ model's verification threshold for every pair of golden chips, and the change in
 The verdict and every number are written either way, with a manifest (kind "validation") that binds them to the
 engine's identity digest, so `kiln verify` covers the verdict and promotion can check it; a failing gate then exits
 non-zero so the DAG stops. The engine is loaded only after its files verify (pipeline/engines.py).
+
+An engine this host cannot run (a build-only target: tensorrt-rtx builds RTX-GPU plans on a CPU) gets the verdict
+`not-run` with the reason — neither pass nor fail — and the stage succeeds; promotion then needs a passing
+validation from a host with the runtime (`kiln validate-release`).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,9 +24,10 @@ import numpy as np
 from pipeline import engines, facemetrics, paths, samples, stage, targets
 from pipeline.config import ValidateConfig
 from pipeline.data import load_set, to_nchw
+from pipeline.errors import KilnError
 from pipeline.facemetrics import face_metrics
-from pipeline.manifest import (atomic_dir, build_manifest, identity_digest, input_ref, manifest_path, read_verified,
-                               write_json_atomic, write_manifest)
+from pipeline.manifest import (atomic_dir, build_manifest, identity_digest, input_ref, manifest_path, read_manifest,
+                               read_verified, write_json_atomic, write_manifest)
 
 BATCH = 8
 
@@ -41,12 +47,17 @@ STAGE = stage.Stage(
     outs=lambda cfg, key: [stage.Out(paths.validation(key).as_posix())])
 
 
+NOT_RUN = "not-run"
+
+
 @dataclass(frozen=True)
 class Verdict:
     engine: str
     passed: bool
     metrics: dict[str, float]
     failures: list[str]
+    verdict: str = "pass"          # pass | fail | not-run
+    reason: str = ""               # why not run
 
 
 def gate(m: dict[str, float], v: ValidateConfig) -> list[str]:
@@ -157,29 +168,46 @@ def evaluate(cfg, engine_name: str, runner, root: Path = Path(".")) -> tuple[dic
 
 
 def run(cfg, engine_name: str, root: Path = Path(".")) -> Verdict:
-    spec = cfg.engine(engine_name)
     engine_dir = paths.engine(engine_name, root)
-    engine_manifest = manifest_path(engine_dir, engine_name)
+    mpath = manifest_path(engine_dir, engine_name)
+    # its files are verified when it is loaded (a private copy, engines.py), or before a not-run verdict
+    engine = {"role": "engine", "manifest": Path(os.path.relpath(mpath, root)).as_posix(),
+              "xxh3_128": identity_digest(read_manifest(mpath))}
+    return judge(cfg, engine_name, engine_dir, engine, paths.validation(engine_name, root), root)
+
+
+def judge(cfg, engine_name: str, engine_dir: Path, engine_ref: dict, out: Path, root: Path = Path(".")) -> Verdict:
+    """Gate the engine in `engine_dir` (verified before it is loaded) and write validation.json + its manifest to
+    `out`, atomically. `engine_ref` is how the manifest names the engine (a path here; a registry version when
+    `kiln validate-release` judges a downloaded one). An engine this host cannot run gets `not-run`."""
+    spec = cfg.engine(engine_name)
     golden_manifest = manifest_path(paths.golden(spec.model, root), spec.model)
     read_verified(golden_manifest, fast=True)
-    runner = engines.load(spec.target, engine_dir, engine_name)
-    metrics, failures, limits, extra = evaluate(cfg, engine_name, runner, root)
+    mpath = manifest_path(engine_dir, engine_name)
+    if identity_digest(read_manifest(mpath)) != engine_ref["xxh3_128"]:
+        raise KilnError(f"{engine_dir}: not the engine {engine_ref.get('manifest')} names", "validate it again")
+    runnable, why = targets.get(spec.target).runnable(engine_dir)
+    if runnable:
+        runner = engines.load(spec.target, engine_dir, engine_name)        # verifies the files it loads
+        metrics, failures, limits, extra = evaluate(cfg, engine_name, runner, root)
+        verdict = "fail" if failures else "pass"
+    else:
+        read_verified(mpath, fast=True)          # not loaded, but a not-run verdict is still about these bytes
+        metrics, failures, limits, extra, verdict = {}, [], {}, {"not_run": why}, NOT_RUN
     metrics = {k: round(v, 7) if isinstance(v, float) else v for k, v in metrics.items()}
-    report = {"engine": engine_name, "verdict": "fail" if failures else "pass", "failures": failures,
-              "metrics": metrics, "limits": limits,
-              "engine_manifest_xxh3_128": identity_digest(read_verified(engine_manifest, fast=True)), **extra}
-    out = paths.validation(engine_name, root)
+    report = {"engine": engine_name, "verdict": verdict, "failures": failures,
+              "metrics": metrics, "limits": limits, "engine_manifest_xxh3_128": engine_ref["xxh3_128"], **extra}
     with atomic_dir(out) as d:
         write_json_atomic(d / paths.VALIDATION_FILE, report)
-        inputs = [input_ref("engine", engine_manifest, root), input_ref("golden", golden_manifest, root)]
+        inputs = [engine_ref, input_ref("golden", golden_manifest, root)]
         if cfg.model(spec.model).samples == "chips":
             inputs += samples.inputs(cfg, spec.model, "golden", root)
         write_manifest(d, build_manifest(
             kind="validation", name=engine_name, model=spec.model, target=spec.target, precision=spec.precision,
             directory=d, files=[d / paths.VALIDATION_FILE], inputs=inputs, build={"gate": "face-task"},
-            results={"verdict": report["verdict"], "failures": failures},
+            results={"verdict": verdict, "failures": failures, **extra},
             **STAGE.identity(cfg, engine_name, root)))
-    return Verdict(engine_name, not failures, metrics, failures)
+    return Verdict(engine_name, verdict == "pass", metrics, failures, verdict, extra.get("not_run", ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(args, run_) -> int:
         v = run(args.cfg, args.key)
+        if v.verdict == NOT_RUN:
+            print(f"validate@{args.key}: NOT RUN — {v.reason}; registered as built-only until a host with the "
+                  "runtime validates it (kiln validate-release)")
+            return 0
         m = v.metrics
         keys = [k for k in ("cosine_min", "cosine_mean", "l2_max", "top1_agreement", "decision_agreement",
                             "tar_delta", "far_delta", "box_iou_min", "landmark_err_max", "face_agreement",
