@@ -5,6 +5,10 @@ that imports a module it does not list as a dependency, a model whose weights ar
 model or engine without its stages); `kiln dag --write` rewrites it. scripts/run.sh writes it before `dvc repro`,
 so editing params.yaml is all it takes to add a model or an engine. `kiln deps <stage>` prints one stage's deps.
 
+The always-changed toolchain probe lives in its own file, toolchain/dvc.yaml (run from the root: `wdir: ..`): DVC
+rewrites a stage's lock file after the stage runs, and the probe runs on every `dvc repro`, so its lock is kept
+small (toolchain/dvc.lock) instead of making each no-op repro parse and rewrite the whole dvc.lock.
+
 Each group is a `foreach` over its keys (models, engines, gallery sizes), so stages keep DVC's `group@key` names.
 Deps every key shares are listed once in `do:`; the rest are per-key slots `${item.depN}` (DVC accepts no list
 interpolation); a key with fewer such deps repeats its last one, which DVC treats as one dependency.
@@ -139,15 +143,20 @@ def render_stage(spec: stage.Stage, cfg) -> dict[str, Any] | None:
     return {"foreach": items, "do": do}
 
 
-def render(cfg) -> str:
+def render(cfg) -> dict[str, str]:
+    """Every dvc.yaml the declarations make: {path from the project root: text}."""
+    import os
+
     from pipeline import targets
 
     targets.check(cfg)          # target names, options and engine sources: once, before DVC runs anything
-    doc = {"stages": {}}
+    docs: dict[str, dict] = {"dvc.yaml": {"stages": {}}}
     for spec in stages():
         if (body := render_stage(spec, cfg)) is not None:
-            doc["stages"][spec.group] = body
-    return HEADER + yaml.safe_dump(doc, sort_keys=False, width=120, allow_unicode=True)
+            if (where := os.path.dirname(spec.dvcfile)) and "foreach" not in body:
+                body["wdir"] = os.path.relpath(".", where)
+            docs.setdefault(spec.dvcfile, {"stages": {}})["stages"][spec.group] = body
+    return {f: HEADER + yaml.safe_dump(doc, sort_keys=False, width=120, allow_unicode=True) for f, doc in docs.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,35 +164,37 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline import config
 
-    p = argparse.ArgumentParser(prog="kiln dag", description="render dvc.yaml from the stage declarations")
+    p = argparse.ArgumentParser(prog="kiln dag", description="render dvc.yaml (and toolchain/dvc.yaml) from the "
+                                "stage declarations")
     p.add_argument("--params", type=Path, default=Path("params.yaml"))
-    p.add_argument("--out", type=Path, default=Path("dvc.yaml"))
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml differs from the declarations")
-    g.add_argument("--write", action="store_true", help="rewrite dvc.yaml (only if it changed)")
+    g.add_argument("--check", action="store_true", help="exit 1 if a dvc.yaml differs from the declarations")
+    g.add_argument("--write", action="store_true", help="rewrite the dvc.yaml files that changed")
     args = p.parse_args(argv)
 
     def go() -> int:
-        text = render(config.load(args.params))
-        current = args.out.read_text() if args.out.is_file() else ""
+        files = render(config.load(args.params))
+        stale = [f for f, text in files.items() if (Path(f).read_text() if Path(f).is_file() else "") != text]
         if args.write:
-            if text != current:
-                from pipeline.manifest import write_bytes_atomic
+            from pipeline.manifest import write_bytes_atomic
 
-                write_bytes_atomic(args.out, text.encode())
-                print(f"kiln dag: {args.out} rewritten")
-            else:
-                print(f"kiln dag: {args.out} up to date")
+            for f in stale:
+                write_bytes_atomic(Path(f), files[f].encode())
+                print(f"kiln dag: {f} rewritten")
+            if not stale:
+                print(f"kiln dag: {', '.join(files)} up to date")
             return 0
         if args.check:
-            if text != current:
-                print(f"kiln dag: {args.out} is out of date with the stage declarations / params.yaml",
+            if stale:
+                print(f"kiln dag: {', '.join(stale)} out of date with the stage declarations / params.yaml",
                       file=sys.stderr)
-                print("hint: run `kiln dag --write` (scripts/run.sh does) and commit dvc.yaml", file=sys.stderr)
+                print(f"hint: run `kiln dag --write` (scripts/run.sh does) and commit {', '.join(stale)}",
+                      file=sys.stderr)
                 return 1
-            print(f"kiln dag: {args.out} up to date")
+            print(f"kiln dag: {', '.join(files)} up to date")
             return 0
-        sys.stdout.write(text)
+        for f, text in files.items():
+            sys.stdout.write(f"# ---- {f}\n{text}")
         return 0
 
     return stage.report_errors(go)

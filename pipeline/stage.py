@@ -176,6 +176,9 @@ class Stage:
     targets: PerKey = _none                     # targets whose fingerprint `rebuild_on` the stage tracks
     dynamic: PerKey = _none                     # modules loaded by name: a model's factory, a target's module
     always_changed: bool = False
+    # the dvc.yaml that holds it: an always-changed stage goes in its own small file (DVC rewrites a stage's lock
+    # file after every run; a no-op repro then rewrites a few lines, not the whole dvc.lock)
+    dvcfile: str = "dvc.yaml"
 
     def name(self, key: str | None = None) -> str:
         return self.group if key is None else f"{self.group}@{key}"

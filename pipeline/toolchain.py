@@ -62,3 +62,22 @@ def host() -> dict[str, object]:
 def kiln_cache() -> Path:
     """Kiln's cache outside the checkout: verified archives, probe results (`$KILN_CACHE`, default ~/.cache/kiln)."""
     return Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
+
+
+def cached(key: list, compute) -> dict | list:
+    """`compute()`'s JSON result, kept in $KILN_CACHE/probe/ under a digest of `key` (everything it depends on), so
+    a probe that would import torch or walk the code runs once per such key. A result with an "error" is not kept."""
+    import hashlib
+    import json
+
+    from pipeline.manifest import write_json_atomic
+
+    path = kiln_cache() / "probe" / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        pass
+    value = compute()
+    if not (isinstance(value, dict) and "error" in value):
+        write_json_atomic(path, value)
+    return value

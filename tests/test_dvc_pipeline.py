@@ -19,9 +19,11 @@ import yaml
 
 from conftest import REPO
 
-# Lock entries a rebuild cannot reproduce, and why (README: "What a fresh clone reproduces").
+TOOLCHAIN = "toolchain/dvc.yaml:toolchain"     # the always-changed probe, in its own dvc.yaml (pipeline/dag.py)
+
+# Lock entries a rebuild cannot reproduce, and why (README: "What a fresh clone reproduces"). toolchain/dvc.lock is
+# not compared at all: it is the host's fingerprint (its CPU flags, compiler), probed on every run.
 NOT_REPRODUCIBLE = {
-    "toolchain": "the host's fingerprint (its CPU flags, compiler) — rewritten on every run",
     "bench@": "timings of one run",
     "match@": "the index choice follows measured latency; its verdict and curve hold timings",
     "register@": "depends on the model's bench timings",
@@ -51,6 +53,7 @@ def _copy_worktree(dest: Path) -> Path:
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, dest / f)
     (dest / "dvc.lock").unlink(missing_ok=True)
+    (dest / "toolchain/dvc.lock").unlink(missing_ok=True)
     _small_galleries(dest / "params.yaml")
     _report_speed_gates(dest / "params.yaml")
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
@@ -82,7 +85,7 @@ def ran(out: str) -> set[str]:
 def stale(root: Path) -> set[str]:
     r = dvc(root, "status", "--json")
     assert r.returncode == 0, r.stderr
-    return set(json.loads(r.stdout or "{}")) - {"toolchain"}      # always_changed: always listed
+    return set(json.loads(r.stdout or "{}")) - {TOOLCHAIN}      # always_changed: always listed
 
 
 def resolved_deps(root: Path) -> dict[str, set[str]]:
@@ -120,7 +123,7 @@ def test_repro_builds_then_reruns_nothing(repo):
     t_repro = time.perf_counter() - t0
     print(f"\nno-op: dvc status {t_status:.1f} s, dvc repro {t_repro:.1f} s ({t_repro / t_status:.2f}×)")
     assert status.returncode == 0 and second.returncode == 0, second.stderr[-3000:]
-    assert ran(second.stdout) == {"toolchain"}, second.stdout                 # one cheap probe, nothing else
+    assert ran(second.stdout) == {TOOLCHAIN}, second.stdout                   # one cheap probe, nothing else
     assert {p: p.read_bytes() for p in (repo / "artifacts/registry").rglob("*") if p.is_file()} == receipts
     verify = kiln(repo, "verify", "artifacts")
     assert verify.returncode == 0, verify.stdout[-3000:]
@@ -188,7 +191,7 @@ def test_editing_a_module_stales_exactly_the_stages_that_import_it(repo):
         original = path.read_bytes()
         path.write_bytes(original + b"\n# edited\n")
         try:
-            expected = {s for s, d in deps.items() if rel in d} - {"toolchain"}
+            expected = {s for s, d in deps.items() if rel in d}
             assert stale(repo) == expected, rel
         finally:
             path.write_bytes(original)
@@ -265,7 +268,7 @@ def test_the_rtx_profile_builds_embedder_engines_as_built_only(repo):
     """What a user does with the profile: `kiln profile rtx`, derive the DAG, `dvc repro`. The TensorRT-RTX engines
     build on this CPU (bit-identical rebuilds), validate as not-run, register as `built`; promotion refuses them;
     a second repro runs nothing. The copy is put back afterwards."""
-    saved = {f: (repo / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock")}
+    saved = {f: (repo / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock", "toolchain/dvc.yaml")}
     try:
         r = kiln(repo, "profile", "rtx")
         assert r.returncode == 0 and "targets.tensorrt-rtx.enabled" in r.stdout, r.stdout + r.stderr
@@ -285,7 +288,7 @@ def test_the_rtx_profile_builds_embedder_engines_as_built_only(repo):
         refused = kiln(repo, "promote", "embedder-tensorrt-rtx-int8", "1")
         assert refused.returncode == 1 and "no host with the runtime has validated it" in refused.stderr
         again = dvc(repo, "repro")
-        assert again.returncode == 0 and ran(again.stdout) == {"toolchain"}, again.stdout
+        assert again.returncode == 0 and ran(again.stdout) == {TOOLCHAIN}, again.stdout
         assert kiln(repo, "verify", "artifacts/engines").returncode == 0
     finally:
         for f, text in saved.items():

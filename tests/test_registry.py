@@ -412,3 +412,21 @@ def test_an_index_registers_as_an_index_and_its_refusals(cfg, root):
     assert mv.tags["kind"] == "index" and c.get_registered_model(r.name).tags["kind"] == "index"
     assert "precision" not in c.get_registered_model(r.name).tags or mv.tags["target"] == "faiss-cpu"
     assert registry.promote(cfg, r.name, 1, root).to_version == 1       # an index promotes like an engine
+
+
+def test_a_live_holder_on_this_host_keeps_its_lock_even_past_its_lease():
+    """A holder starved of CPU (or waiting on a busy SQLite) may renew late: on its own host it is judged by whether
+    its process lives; on another host by its lease; a lease 10× past expires anywhere (a reused pid)."""
+    import socket
+
+    from pipeline.registry.client import LEASE_S, Registry
+
+    now, here = time.time(), socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    assert not Registry._is_stale({"host": here, "pid": str(os.getpid()), "expires": str(now - LEASE_S)})
+    assert Registry._is_stale({"host": here, "pid": dead, "expires": str(now + LEASE_S)})
+    assert Registry._is_stale({"host": "elsewhere", "pid": "1", "expires": str(now - 1)})
+    assert not Registry._is_stale({"host": "elsewhere", "pid": "1", "expires": str(now + LEASE_S)})
+    assert Registry._is_stale({"host": here, "pid": str(os.getpid()), "expires": str(now - 10 * LEASE_S)})
+    assert Registry._is_stale({"host": here, "pid": str(os.getpid()), "expires": "soon"})

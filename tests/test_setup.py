@@ -30,3 +30,19 @@ def test_the_lock_pins_that_wheel_by_sha256():
     lock = (REPO / "lockfiles/main.txt").read_text()
     block = re.search(r"(?ms)^torch==2\.13\.0\+cpu \\\n((?:\s+--hash=sha256:[0-9a-f]{64}.*\n)+)", lock)
     assert block and block.group(1).count("--hash=sha256:") >= 1
+
+
+def test_the_committed_dvc_files_are_what_the_declarations_render():
+    """dvc.yaml and toolchain/dvc.yaml are generated (`kiln dag --write`): the committed ones must be current."""
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "dag", "--check"], cwd=REPO, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    assert "dvc.yaml, toolchain/dvc.yaml up to date" in r.stdout
+
+
+def test_setup_refuses_an_unknown_profile():
+    r = subprocess.run(["bash", "scripts/setup.sh", "--profile", "../lockfiles/main"], cwd=REPO, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "no lockfile lockfiles/../lockfiles/main.txt" in r.stderr

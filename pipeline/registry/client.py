@@ -322,19 +322,24 @@ class Registry:
 
     @staticmethod
     def _is_stale(holder: dict[str, str]) -> bool:
+        """A holder on this host is judged by whether its process lives (a starved holder whose renewal waited on a
+        busy database must not lose its lock while it works); one on another host by its lease, and a lease long
+        past (10× its length: a reused pid) expires anywhere."""
         try:
-            if float(holder.get("expires", "0")) < time.time():
-                return True
+            expires = float(holder.get("expires", "0"))
         except ValueError:
             return True
-        if holder.get("host") == socket.gethostname():    # a holder on this host: is it still alive?
+        if expires < time.time() - 9 * LEASE_S:
+            return True
+        if holder.get("host") == socket.gethostname():
             try:
                 os.kill(int(holder.get("pid", "0")), 0)
             except ProcessLookupError:
                 return True
             except (PermissionError, ValueError):
                 return False
-        return False
+            return False
+        return expires < time.time()
 
     def _release(self, lock_name: str, token: str | None) -> None:
         from mlflow.exceptions import MlflowException

@@ -30,14 +30,23 @@ STAGE = stage.Stage(
     # persist: DVC must not delete them before the stage runs, or every run would rewrite them
     outs=lambda cfg, key: [stage.Out(paths.toolchain_file(t).as_posix(), cache=False, persist=True)
                            for t in cfg.targets] + [stage.Out(stage.PYTHON_TOOLCHAIN, cache=False, persist=True)],
-    always_changed=True)
+    always_changed=True, dvcfile="toolchain/dvc.yaml")
 
 
 def all_packages() -> list[str]:
-    """Every third-party distribution imported anywhere under pipeline/ (what python.yaml lists)."""
-    modules = [".".join(p.relative_to(stage.REPO).with_suffix("").parts).removesuffix(".__init__")
-               for p in (stage.REPO / stage.PACKAGE).rglob("*.py")]
-    return stage.distributions(stage.closure(modules)[1])
+    """Every third-party distribution imported anywhere under pipeline/ (what python.yaml lists). Walking the code
+    and the installed distributions takes most of this stage's time, so the answer is cached under what it depends
+    on: each module's path, size and mtime, and the interpreter's package directories (an install changes them)."""
+    files = sorted((stage.REPO / stage.PACKAGE).rglob("*.py"))
+
+    def compute() -> list[str]:
+        modules = [".".join(p.relative_to(stage.REPO).with_suffix("").parts).removesuffix(".__init__") for p in files]
+        return stage.distributions(stage.closure(modules)[1])
+
+    stat = lambda p: [str(p), p.stat().st_size, p.stat().st_mtime_ns]      # noqa: E731
+    key = ["packages/1", sys.version, sys.prefix, [stat(p) for p in files],
+           [stat(Path(d)) for d in sys.path if d and Path(d).is_dir()]]
+    return toolchain.cached(key, compute)
 
 
 def _write_if_changed(path: Path, doc: dict) -> bool:

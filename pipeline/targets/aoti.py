@@ -97,23 +97,6 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _cached(key: list[str], compute) -> dict:
-    """`compute()`'s JSON result, kept in $KILN_CACHE/probe/ under a digest of `key` (what it depends on)."""
-    import hashlib
-
-    from pipeline.manifest import write_json_atomic
-
-    path = toolchain.kiln_cache() / "probe" / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        pass
-    value = compute()
-    if "error" not in value:
-        write_json_atomic(path, value)
-    return value
-
-
 def _inductor_flags(cxx: str) -> dict:
     """The vector ISA Inductor picks on this CPU and the compile flags it would use (imports torch: seconds)."""
     try:
@@ -161,7 +144,7 @@ class AotiCpu:
             return Toolchain(self.name, False, f"C++ compiler {cxx!r} not found (install g++ or set CXX)")
         cxx_version = _first_line([path, "--version"])
         host = toolchain.cpu()
-        derived = _cached(["aoti-flags", torch_version, cxx, cxx_version, host["machine"], _cpu_flags()],
+        derived = toolchain.cached(["aoti-flags", torch_version, cxx, cxx_version, host["machine"], _cpu_flags()],
                           lambda: _inductor_flags(cxx))
         if "error" in derived:
             return Toolchain(self.name, False, f"torch with Inductor not usable: {derived['error']}")
