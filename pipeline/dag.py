@@ -153,8 +153,8 @@ def render(cfg) -> dict[str, str]:
     docs: dict[str, dict] = {"dvc.yaml": {"stages": {}}}
     for spec in stages():
         if (body := render_stage(spec, cfg)) is not None:
-            if (where := os.path.dirname(spec.dvcfile)) and "foreach" not in body:
-                body["wdir"] = os.path.relpath(".", where)
+            if where := os.path.dirname(spec.dvcfile):           # commands run from the project root
+                (body["do"] if "foreach" in body else body)["wdir"] = os.path.relpath(".", where)
             docs.setdefault(spec.dvcfile, {"stages": {}})["stages"][spec.group] = body
     return {f: HEADER + yaml.safe_dump(doc, sort_keys=False, width=120, allow_unicode=True) for f, doc in docs.items()}
 
