@@ -183,16 +183,29 @@ class AotiCpu:
             (build / "tmp").mkdir(parents=True)
             saved_tmp, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
             tempfile.tempdir, os.environ["TMPDIR"] = str(build / "tmp"), str(build / "tmp")
-            from torch._inductor import codecache
+            from torch._inductor import codecache, cpp_builder
+            from torch.utils import cpp_extension
 
             saved_headers = codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR
             # fixed at import to <tmp>/torchinductor_<user>/precompiled_headers, ignoring TORCHINDUCTOR_CACHE_DIR
             codecache._HEADER_DIR = str(build / "headers")
             codecache._HEADER_LOCK_DIR = str(build / "headers" / "locks")
+            # torch's own directory is in every compile command (-I, -L), and Inductor hashes the commands into
+            # the generated sources' names and the package: reach it through a link in the fixed build directory,
+            # so the package does not depend on where the virtualenv (inside each checkout) lives
+            saved_torch = (cpp_extension._TORCH_PATH, cpp_extension.TORCH_LIB_PATH, cpp_builder._TORCH_PATH,
+                           cpp_builder._LINKER_SCRIPT)
+            link = build / "torch"
+            os.symlink(os.path.realpath(cpp_extension._TORCH_PATH), link)
+            cpp_extension._TORCH_PATH = cpp_builder._TORCH_PATH = str(link)
+            cpp_extension.TORCH_LIB_PATH = str(link / "lib")
+            cpp_builder._LINKER_SCRIPT = str(link / "_inductor" / "script.ld")
             try:
                 with temporary_cache_dir(str(build / "cache")):
                     yield build
             finally:
+                (cpp_extension._TORCH_PATH, cpp_extension.TORCH_LIB_PATH, cpp_builder._TORCH_PATH,
+                 cpp_builder._LINKER_SCRIPT) = saved_torch
                 codecache._HEADER_DIR, codecache._HEADER_LOCK_DIR = saved_headers
                 tempfile.tempdir = saved_tmp
                 if saved_env is None:
