@@ -67,11 +67,14 @@ def expected_source(engine) -> str:
 
 def check(cfg, engines: list[str] | None = None) -> None:
     """What params need the registry for: every configured target exists and its options are valid, and each
-    engine (all, or `engines`) names the source its target compiles. Errors name the params file and key."""
+    engine (all, or `engines`) names the source its target compiles. Errors name the params file and key.
+    Given `engines`, only their targets' modules are imported: a stage's code closure stays what its DAG lists."""
     for name in cfg.targets:
         if name not in TARGETS:
             raise KilnError(f"{cfg.source}: targets.{name}: unknown target",
                             f"known targets: {', '.join(sorted(TARGETS))}")
+    used = cfg.targets if engines is None else {cfg.engine(n).target for n in engines}
+    for name in used:
         options(cfg, name)
     for name in engines if engines is not None else list(cfg.engines):
         e = cfg.engine(name)
