@@ -266,7 +266,8 @@ def test_a_lost_registry_is_filled_again_by_sync(repo):
 @pytest.mark.slow
 def test_the_rtx_profile_builds_embedder_engines_as_built_only(repo):
     """What a user does with the profile: `kiln profile rtx`, derive the DAG, `dvc repro`. The TensorRT-RTX engines
-    build on this CPU (bit-identical rebuilds), validate as not-run, register as `built`; promotion refuses them;
+    build on this CPU (R-Net and O-Net rebuild with their bindings reordered: the gate accepts that, and the
+    manifest says which), validate as not-run, register as `built`; promotion refuses them;
     a second repro runs nothing. The copy is put back afterwards."""
     saved = {f: (repo / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock", "toolchain/dvc.yaml")}
     try:
@@ -277,6 +278,11 @@ def test_the_rtx_profile_builds_embedder_engines_as_built_only(repo):
         first = dvc(repo, "repro")
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         built = {s for s in ran(first.stdout) if "tensorrt-rtx" in s}
+        for e in ("rnet-tensorrt-rtx-fp16", "onet-tensorrt-rtx-fp16"):
+            checked = json.loads((repo / f"artifacts/engines/{e}/{e}.manifest.json").read_text())["build"]
+            assert checked["reproducibility"]["checked"].endswith(("bit-identical", "(the builder orders a "
+                                                                   "multi-output network's bindings differently "
+                                                                   "between builds)")), checked
         engines = ("embedder-tensorrt-rtx-fp32", "embedder-tensorrt-rtx-fp16", "embedder-tensorrt-rtx-int8")
         assert {f"{g}@{e}" for g in ("compile", "validate", "register") for e in engines} <= built, first.stdout
         for e in engines:

@@ -100,11 +100,13 @@ def run(cfg, engine_name: str, root: Path = Path("."), check: bool = True) -> Co
                 differ = [f.name for f in files
                           if not (built / f.relative_to(d)).is_file()
                           or (built / f.relative_to(d)).read_bytes() != f.read_bytes()]
-            if differ:
+                accepted = (getattr(target, "accept_rebuild", lambda *_: None)(d, built, differ)
+                            if differ else "bit-identical")
+            if accepted is None:
                 raise GateFailed(f"compile@{engine_name}: a second build in a fresh process differs in "
                                  f"{', '.join(differ)}; {spec.target} claims {claim.claim} builds",
                                  f"classify the difference: kiln rebuild-check compile@{engine_name}")
-            repro["checked"] = "compile: second build in a fresh process, scratch project: bit-identical"
+            repro["checked"] = f"compile: second build in a fresh process, scratch project: {accepted}"
         else:
             repro["checked"] = (f"not at compile; prove it with `kiln rebuild-check compile@{engine_name}`"
                                 if check else "not checked (a rebuild-check's own build)")

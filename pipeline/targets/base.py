@@ -12,6 +12,8 @@
                                         RTX-GPU engines on a CPU) says why not; validate@ then records `not run`
     reproducibility → Reproducibility   the class of equivalence the target promises between two builds, and
                                         whether compile proves it by rebuilding in a fresh process
+    accept_rebuild(mine, other, differing) → str | None   optional: a rebuild whose files differ that still meets
+                                        the claim, described (tensorrt-rtx: bindings reordered); None fails the gate
 
 What a target compiles (its `source_kind`) is in the registry (pipeline/targets/__init__.py), so params can be
 checked without importing a toolchain. Optional toolchains are imported lazily inside a target, so a missing one
