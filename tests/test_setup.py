@@ -42,6 +42,21 @@ def test_the_committed_dvc_files_are_what_the_declarations_render():
     assert "dvc.yaml, toolchain/dvc.yaml up to date" in r.stdout
 
 
+def test_the_committed_locks_hold_only_stages_of_the_dag():
+    """DVC keeps a removed stage's entry in dvc.lock: an auditor would read a stage that no longer exists."""
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    dvc = Path(sys.executable).with_name("dvc")
+    names = subprocess.run([str(dvc), "stage", "list", "--all", "--name-only"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for lock, prefix in (("dvc.lock", ""), ("toolchain/dvc.lock", "toolchain/dvc.yaml:")):
+        stale = {s for s in yaml.safe_load((REPO / lock).read_text())["stages"] if prefix + s not in names}
+        assert not stale, f"{lock}: entries of stages not in the DAG: {sorted(stale)}"
+
+
 def test_setup_refuses_an_unknown_profile():
     r = subprocess.run(["bash", "scripts/setup.sh", "--profile", "../lockfiles/main"], cwd=REPO, capture_output=True,
                        text=True)
