@@ -9,7 +9,8 @@ Classes, strongest first (pipeline/targets/base.py CLASSES):
 * different.
 
 An engine must reach its target's claim (`reproducibility.claim`: ort-cpu and aoti-cpu claim bit-identical,
-TensorRT task-equivalent); every other build stage claims bit-identical. The command exits 1 below the claim.
+TensorRT task-equivalent, TensorRT-RTX numerically-equivalent); every other build stage claims bit-identical.
+The command exits 1 below the claim.
 Stages that are not builds (toolchain, bench timings, registration) are refused: rebuilding them proves nothing.
 """
 
