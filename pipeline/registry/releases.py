@@ -236,24 +236,28 @@ def check_version(reg: Registry, name: str, version: int) -> str:
     """Gate one version for production: every stored file verified, and its verified verdict is pass — the one
     stored at registration or, for a built-only version, one attached later by a host with the runtime."""
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
-        v = download_verified(reg, name, version, Path(tmp))
-        verdict = v.verdict.get("verdict")
-        tag = (reg.version(name, version).tags or {}).get("validation")
-        note = "" if tag in (None, verdict) else f" (its `validation` tag says {tag!r}; the stored verdict rules)"
-        if verdict == "not-run":
-            passed = [rid for rid, doc in attached_verdicts(reg, name, version, v.manifest, Path(tmp) / "attached")
-                      if doc.get("verdict") == "pass"]
-            if not passed:
-                raise GateFailed(f"{name} v{version}: built only — its build host could not run it "
-                                 f"({v.verdict.get('not_run', 'no runtime')}), and no host with the runtime has "
-                                 "validated it; refusing to promote",
-                                 f"on a host with the runtime: kiln validate-release {name} {version}")
-            return f"validation pass attached by run {passed[-1]} (the build host could not run it)"
-        if verdict != "pass":
-            raise GateFailed(f"{name} v{version}: its stored validation verdict is {verdict!r}, not "
-                             "'pass'; refusing to promote", "fix the engine, rebuild and validate it, register the new "
-                             "version, and promote that")
-        return f"validation pass (stored, digest-checked), {len(v.manifest['files'])} file(s) verified{note}"
+        return _gate(reg, name, version, download_verified(reg, name, version, Path(tmp)), Path(tmp))
+
+
+def _gate(reg: Registry, name: str, version: int, v: Verified, scratch: Path) -> str:
+    """check_version on a version already downloaded and verified (`v`); `scratch` holds attached verdicts."""
+    verdict = v.verdict.get("verdict")
+    tag = (reg.version(name, version).tags or {}).get("validation")
+    note = "" if tag in (None, verdict) else f" (its `validation` tag says {tag!r}; the stored verdict rules)"
+    if verdict == "not-run":
+        passed = [rid for rid, doc in attached_verdicts(reg, name, version, v.manifest, scratch / "attached")
+                  if doc.get("verdict") == "pass"]
+        if not passed:
+            raise GateFailed(f"{name} v{version}: built only — its build host could not run it "
+                             f"({v.verdict.get('not_run', 'no runtime')}), and no host with the runtime has "
+                             "validated it; refusing to promote",
+                             f"on a host with the runtime: kiln validate-release {name} {version}")
+        return f"validation pass attached by run {passed[-1]} (the build host could not run it)"
+    if verdict != "pass":
+        raise GateFailed(f"{name} v{version}: its stored validation verdict is {verdict!r}, not "
+                         "'pass'; refusing to promote", "fix the engine, rebuild and validate it, register the new "
+                         "version, and promote that")
+    return f"validation pass (stored, digest-checked), {len(v.manifest['files'])} file(s) verified{note}"
 
 
 def fetch_release(cfg, engine_name: str, dst: Path, root: Path = Path(".")) -> tuple[Path, int]:
@@ -265,8 +269,9 @@ def fetch_release(cfg, engine_name: str, dst: Path, root: Path = Path(".")) -> t
         version = reg.aliases(name).get(PRODUCTION)
         if version is None:
             raise KilnError(f"{name}: no production version", f"promote one first: kiln promote {name} VERSION")
-        check_version(reg, name, version)
-        v = download_verified(reg, name, version, Path(dst))
+        v = download_verified(reg, name, version, Path(dst))       # once: the gate reads this verified copy
+        with tempfile.TemporaryDirectory(prefix="kiln-verify-") as tmp:
+            _gate(reg, name, version, v, Path(tmp))
     return v.directory, version
 
 
