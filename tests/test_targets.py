@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline import paths, targets
+from pipeline import config, paths, targets
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import verify_manifest
 from pipeline.stages import compile as compile_stage
@@ -156,3 +156,65 @@ def test_the_int8_bench_gate_on_injected_latencies(cfg):
     assert slow == ["embedder-ort-cpu-int8 is 0.80× its FP32 sibling embedder-ort-cpu-fp32 at batch 1 (needs ≥ 1×): "
                     "the INT8 recipe 'ort' does not pay"]
     assert len(bench.int8_gate(report(2.0, 8.0), engines, (1, 8), 3.0)) == 2        # a stricter goal fails both
+
+
+# ---------------------------------------------------------------------------------------------- the contract
+PROTOCOL = ("name", "reproducibility", "parse_options", "probe", "compile", "audit", "load", "manifest_extras",
+            "check_package", "runnable", "accept_rebuild")
+
+
+def _runner_class(target):
+    import importlib
+    import inspect
+
+    ret = inspect.signature(target.load).return_annotation          # a string under `from __future__ import annotations`
+    if not isinstance(ret, str):
+        return ret
+    return getattr(importlib.import_module(type(target).__module__), ret.strip("'\""))
+
+
+@pytest.mark.parametrize("name", sorted(targets.TARGETS))
+def test_every_registered_target_meets_the_whole_contract(name, built, cfg, tmp_path):
+    """Every target, whether or not its toolchain is on this host: the protocol's members, a typed determinism claim,
+    its own params parsed, a probe with a one-line answer, a runner class with run and run_all. Where the toolchain
+    is here and the build is cheap (ONNX targets that prove reproducibility at compile), the whole life cycle runs:
+    compile → audit → manifest extras → package check → runnable → load → run and run_all agree."""
+    from pipeline.targets.base import CLASSES, CompileOptions, OpSupport, Reproducibility, Toolchain
+
+    entry, t = targets.entry(name), targets.get(name)
+    missing = [m for m in PROTOCOL if not hasattr(t, m)]
+    assert not missing, f"{name} lacks {missing}"
+    assert t.name == name and entry.source_kind in ("onnx", "program") and set(entry.precisions) <= set(
+        config.PRECISIONS)
+    assert isinstance(t.reproducibility, Reproducibility) and t.reproducibility.claim in CLASSES[:3]
+    assert name in cfg.targets, f"params.yaml has no targets.{name} block"
+    t.parse_options(cfg.targets[name].options)
+    runner = _runner_class(t)
+    assert callable(getattr(runner, "run", None)) and callable(getattr(runner, "run_all", None)), runner
+    tc = t.probe()
+    assert isinstance(tc, Toolchain) and tc.target == name and tc.line().startswith(f"{name}: ")
+    if not tc.available:
+        assert tc.reason and "unavailable" in tc.line()
+        return
+    ok, why = t.runnable(None)
+    if not ok:      # build-only here (tensorrt-rtx without a GPU): says why; its own tests build and audit it
+        assert why.startswith(f"no runtime for {name}")
+        return
+    if entry.source_kind != "onnx":
+        return      # aoti-cpu: tens of seconds per build from the torch.export program; tests/test_aoti.py runs it
+    out, work = tmp_path / "engine", tmp_path / "work"
+    out.mkdir(), work.mkdir()
+    files = t.compile(paths.export("embedder", built) / paths.ONNX_FILE,
+                      CompileOptions("fp32", t.parse_options(cfg.targets[name].options)), out, work)
+    assert files and all(f.is_file() and f.parent == out for f in files)
+    audit = t.audit(out, "fp32")
+    assert isinstance(audit, OpSupport) and audit.ok and sum(audit.native.values()) >= 30
+    extras = t.manifest_extras(out)
+    assert set(extras) <= {"build", "results"}
+    t.check_package(out)
+    assert t.runnable(out) == (True, "")
+    assert t.accept_rebuild(out, out, [files[0].name]) is None      # a byte difference is never waved through
+    r = t.load(out)
+    x = np.random.default_rng(0).uniform(0, 255, (2, 3, 150, 150)).astype(np.float32)
+    one, every = r.run(x), r.run_all({"input": x})
+    assert one.shape == (2, 128) and len(every) == 1 and np.array_equal(one, every[0])
