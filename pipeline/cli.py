@@ -119,6 +119,18 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_mixed(args) -> int:
+    from pipeline import mixed
+    from pipeline.manifest import json_bytes, write_bytes_atomic
+
+    result = mixed.search(_cfg(args), args.model, args.recipe, Path("."), args.max_float, args.rank)
+    print(mixed.report(result))
+    if args.json:
+        write_bytes_atomic(Path(args.json), json_bytes(result.to_json()))
+        print(f"→ {args.json}")
+    return 0 if result.chosen is not None else 1
+
+
 def cmd_verify(args) -> int:
     from pipeline.manifest import find_manifests, verify_manifest
 
@@ -246,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-snr-db", type=float, default=20.0, help="a tensor below this SNR is a bad layer")
     p.add_argument("--top", type=int, default=10, help="how many of the worst layers to print")
     p.add_argument("--json", metavar="PATH", help="write every layer's numbers as JSON (e.g. for `dvc plots`)")
+    p = add("mixed", cmd_mixed, "mixed precision under the model's real gate: the smallest set of nodes to keep in "
+            "float so the INT8 model passes (exit 1 if none within --max-float); prints the recipe to add")
+    p.add_argument("model", help="a model in quantize.models")
+    p.add_argument("recipe", help="the INT8 recipe to start from (quantize.recipes)")
+    p.add_argument("--max-float", type=int, default=8, help="the most nodes to leave in float")
+    p.add_argument("--rank", choices=["gate", "snr"], default="gate",
+                   help="sensitivity: each node alone in float under the gate (default), or kiln compare's SNR")
+    p.add_argument("--json", metavar="PATH", help="write the ranking and every trial as JSON")
     p = add("verify", cmd_verify, "recompute checksums of artifacts against their manifests (exit 1 on mismatch)")
     p.add_argument("path", help="a manifest file or a directory searched for *.manifest.json")
     p.add_argument("--root", default=".", help="repository root, to check input manifests (default: .)")

@@ -143,6 +143,10 @@ class Recipe:
     symmetric_activations: StrictBool
     bias_float: StrictBool      # leave biases in float (TensorRT form) instead of int32
     name: StrictStr = ""
+    models: tuple[Slug, ...] | None = None   # the quantize.models it applies to (default: all of them)
+    # mixed precision: nodes of the pre-processed graph left in float (their names: `kiln compare`,
+    # debug-precision@ reports); each must exist in every graph the recipe quantizes
+    float_nodes: tuple[StrictStr, ...] = ()
 
 
 @frozen
@@ -359,6 +363,11 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
     target modules, and adding a target does not stale every stage."""
     bad: list[tuple[str, str, str]] = []
     models, recipes = set(p.models), set(p.quantize.recipes)
+    for name, r in p.quantize.recipes.items():
+        for m in r.models or ():
+            if m not in p.quantize.models:
+                bad.append((f"quantize.recipes.{name}.models", f"{m!r} is not in quantize.models",
+                            f"quantized models: {', '.join(p.quantize.models)}"))
     for key in ("quantize", "program"):
         for m in getattr(p, key).models:
             if m not in models:
@@ -386,6 +395,10 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
         if e.precision == "int8" and e.model not in p.quantize.models:
             bad.append((f"{where}.model", f"{e.model!r} is not quantized (quantize.models)",
                         f"add {e.model} to quantize.models"))
+            continue
+        if e.precision == "int8" and e.model not in (p.quantize.recipes[e.recipe].models or p.quantize.models):
+            bad.append((f"{where}.recipe", f"recipe {e.recipe!r} does not quantize {e.model!r} "
+                        f"(quantize.recipes.{e.recipe}.models)", f"add {e.model} to that recipe's models"))
             continue
     for size in p.matching.gallery_sizes:
         try:

@@ -40,7 +40,8 @@ from pipeline.stages.calibrate import PREPROCESS, calibration_tensors, preproces
 
 def pairs(cfg) -> dict[str, tuple[str, str]]:
     """`<model>-<recipe>` → (model, recipe) for every quantized model × recipe."""
-    return {f"{m}-{r}": (m, r) for m in cfg.quantize.models for r in cfg.recipes}
+    return {f"{m}-{r}": (m, r) for m in cfg.quantize.models for r, recipe in cfg.recipes.items()
+            if recipe.models is None or m in recipe.models}
 
 
 STAGE = stage.Stage(
@@ -116,6 +117,11 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
     from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
 
     model = load_model_with_shape_infer(pre)     # what quantize_static does; marks the model as shape-inferred
+    names = {n.name for n in model.graph.node}
+    unknown = [n for n in recipe.float_nodes if n not in names]
+    if unknown:
+        raise KilnError(f"recipe {recipe.name!r}: float_nodes {unknown} are not nodes of this graph",
+                        "take the names from `kiln compare` or the debug-precision@ report (pre-processed graph)")
     needed = calibration_tensors(model)
     missing = [t for t in needed if t not in ranges]
     if missing:
@@ -128,7 +134,8 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
     # loudly if the signature changes.
     quantizer = QDQQuantizer(model=model, per_channel=opts["per_channel"], reduce_range=False,
                              weight_qType=opts["weight_type"], activation_qType=opts["activation_type"],
-                             tensors_range=tensors_data(ranges), nodes_to_quantize=None, nodes_to_exclude=None,
+                             tensors_range=tensors_data(ranges), nodes_to_quantize=None,
+                             nodes_to_exclude=list(recipe.float_nodes) or None,
                              op_types_to_quantize=quantizable_op_types(), extra_options=opts["extra_options"])
     try:
         quantizer.quantize_model()

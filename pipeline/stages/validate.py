@@ -142,12 +142,16 @@ def gate_other(kind: str, m: dict[str, float], v: ValidateConfig) -> list[str]:
 
 def evaluate(cfg, engine_name: str, runner, root: Path = Path(".")) -> tuple[dict, list[str], dict, dict]:
     """(metrics, failures, limits, extra) of one engine's runner on its model's face-task gate."""
-    spec = cfg.engine(engine_name)
-    mcfg = cfg.model(spec.model)
+    return evaluate_model(cfg, cfg.engine(engine_name).model, runner, root)
+
+
+def evaluate_model(cfg, model: str, runner, root: Path = Path(".")) -> tuple[dict, list[str], dict, dict]:
+    """(metrics, failures, limits, extra) of a runner of `model` on the model's face-task gate."""
+    mcfg = cfg.model(model)
     extra = {}
     if mcfg.samples == "chips":
         gset = load_set(paths.data_set("golden", root))
-        ref = np.load(paths.golden(spec.model, root) / "embeddings.npy", allow_pickle=False)
+        ref = np.load(paths.golden(model, root) / "embeddings.npy", allow_pickle=False)
         x = to_nchw(gset.chips)
         got = np.concatenate([runner.run(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
         gallery = np.array([s["augmentation"] is None for s in gset.index["samples"]])
@@ -156,7 +160,7 @@ def evaluate(cfg, engine_name: str, runner, root: Path = Path(".")) -> tuple[dic
         limits = {k: v for k, v in cfg.section("validate").items() if k not in ("detector", "aligner")}
         extra["golden_set_xxh3_128"] = gset.content_hash
     elif mcfg.samples == "aligner":
-        metrics = aligner_metrics(cfg, spec.model, runner, root)
+        metrics = aligner_metrics(cfg, model, runner, root)
         failures, limits = gate_other("aligner", metrics, cfg.validate), cfg.section("validate", "aligner")
     else:
         metrics = detector_metrics(cfg, mcfg.samples, runner, root)
