@@ -22,14 +22,14 @@ BF16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 @pytest.fixture(scope="module")
 def engines(built, cfg):
-    """The embedder's openvino-cpu engines, built by the compile stage (INT8 from the real `ort` recipe)."""
+    """The embedder's openvino-cpu engines, built by the compile stage (INT8 from the real `ort-float-fc` recipe)."""
     from pipeline.stages import calibrate, quantize
 
     fingerprint.run(cfg, built)
     if not (paths.calibration("embedder", built) / "ranges.json").is_file():
         calibrate.run(cfg, "embedder", built, progress=lambda _: None)
-    if not (paths.quantized("embedder", "ort", built) / "embedder-ort.manifest.json").is_file():
-        quantize.run(cfg, "embedder", "ort", built)
+    if not (paths.quantized("embedder", "ort-float-fc", built) / "embedder-ort-float-fc.manifest.json").is_file():
+        quantize.run(cfg, "embedder", "ort-float-fc", built)
     names = ["embedder-openvino-cpu-fp32", "embedder-openvino-cpu-int8"] + (["embedder-openvino-cpu-bf16"] * BF16)
     return {n: compile_stage.run(cfg, n, built) for n in names}
 
@@ -47,7 +47,11 @@ def test_engines_are_reproducible_native_and_verify(engines, built):
     for name, r in engines.items():
         assert r.reproducibility["checked"] == "compile: second build in a fresh process, scratch project: " \
                                                "bit-identical", name
-        assert r.audit.ok and r.audit.native == {"Convolution": 29, "FullyConnected": 1}, (name, r.audit.native)
+        if name.endswith("int8"):      # the recipe leaves the final MatMul in float: the audit says so, as a fallback
+            assert r.audit.native == {"Convolution": 29}, r.audit.native
+            assert [(f["op"], f["runs_as"]) for f in r.audit.fallback] == [("FullyConnected", "f32")]
+        else:
+            assert r.audit.ok and r.audit.native == {"Convolution": 29, "FullyConnected": 1}, (name, r.audit.native)
         assert verify_manifest(paths.engine(name, built) / f"{name}.manifest.json", root=built) == []
 
 
@@ -89,7 +93,7 @@ def test_audit_catches_float_layers_in_an_int8_engine(engines, built):
 
 
 @pytest.mark.parametrize("name, cos_min", [("embedder-openvino-cpu-fp32", 0.99999),
-                                           ("embedder-openvino-cpu-int8", 0.999),
+                                           ("embedder-openvino-cpu-int8", 0.9995),
                                            ("embedder-openvino-cpu-bf16", 0.9995)])
 def test_engines_pass_the_face_task_gate(engines, built, cfg, name, cos_min):
     if name not in engines:
