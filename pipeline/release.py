@@ -1,0 +1,572 @@
+"""`kiln release` / `kiln verify-release` / `kiln keygen`: one signed, deterministic archive per released version.
+
+A release is built from a *registered* version (downloaded and proven like `promote` proves it: stored files against
+the stored manifest, manifest and verdict against the digests logged as run parameters, verdict pass) plus the
+provenance chain of that exact build in this workspace (`pipeline/provenance.py`, every link re-verified). The
+archive `releases/<registered>-v<version>.tar.gz` holds two entries:
+
+    <R>/                    the signed tree
+      release.json          what this is: registered model, version, artifact, identity digests, verdict
+      engine/               the registered files, their manifest, kiln/ (validation.json + manifest, bench, record)
+      chain/artifacts/...   every upstream manifest (quantized → calibration → export → golden → data → assets)
+      provenance.json       the walked chain (pins: package==version, archive sha256, license)
+      lockfiles.json        sha256 of the lockfiles of the checkout that made the release
+      slsa-provenance.json  an in-toto Statement v1 with a SLSA Provenance v1 predicate for the build
+    <R>.sig                 the OpenSSF model-signing signature of <R>/: a Sigstore bundle holding a DSSE
+                            envelope around an in-toto statement whose resources are every file's sha256
+
+Signing is offline with a local EC P-256 key (`kiln keygen`; its path from $KILN_SIGNING_KEY, never inside the
+repository). ECDSA normally draws a random nonce, which would make every archive different; the key is used with
+RFC 6979 deterministic nonces (cryptography's `deterministic_signing`), so the same inputs give the same signature
+and the same archive sha256 — a standard ECDSA signature that model-signing's own verifier (and any other) accepts.
+The tar is deterministic too: sorted entries, mtime 0, uid/gid 0, fixed modes, gzip without name or time.
+
+`verify-release` needs no MLflow and no network: model-signing verifies the signature and every file's digest
+(nothing unsigned is accepted), then Kiln re-checks the engine against its manifest, the verdict, every manifest
+link of the chain and the SLSA subjects. The first failure is named and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import paths
+from pipeline.errors import GateFailed, KilnError
+from pipeline.manifest import (check_files, identity_digest, json_bytes, manifest_path, read_manifest,
+                               sha256_file)
+
+SCHEMA = "kiln.release/1"
+KEY_ENV = "KILN_SIGNING_KEY"
+RELEASES = Path("releases")
+SLSA_PREDICATE = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = "https://kiln.invalid/buildtypes/dvc-repro/v1"   # names Kiln's build recipe (dvc.yaml); not fetched
+SIG_SUFFIX = ".sig"
+RELEASE_ALIAS = "release"                         # the registered model's alias of its latest released version
+RELEASE_TAG = "kiln.release.sha256"               # on the version: its release archive's sha256
+_MAX_MEMBERS, _MAX_BYTES = 10_000, 8 << 30       # an archive beyond these is refused before extraction
+
+
+@dataclass(frozen=True)
+class Release:
+    archive: Path
+    sha256: str
+    name: str                 # registered model
+    version: int
+    new: bool                 # False: this exact archive was already released (and recorded) before
+
+
+# ---------------------------------------------------------------------------------------------- keys
+def _outside_repo(path: Path, what: str) -> Path:
+    from pipeline.stage import REPO
+
+    p = Path(path).expanduser().resolve()
+    if p == REPO or REPO in p.parents:
+        raise KilnError(f"{what} {path} is inside the repository ({REPO})",
+                        f"keep signing keys out of the checkout, e.g. {KEY_ENV}=~/.config/kiln/signing-key.pem")
+    return p
+
+
+def key_path(given: str | None = None) -> Path:
+    raw = given or os.environ.get(KEY_ENV)
+    if not raw:
+        raise KilnError(f"no signing key: pass --key or set {KEY_ENV}",
+                        f"make one with `kiln keygen --out ~/.config/kiln/signing-key.pem` and export {KEY_ENV}")
+    return Path(raw).expanduser()
+
+
+def keygen(private: Path) -> tuple[Path, Path]:
+    """A new EC P-256 key pair: `private` (PEM, mode 0600) and `private`.pub. Never overwrites a key."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    private = _outside_repo(private, "signing key")
+    public = private.with_name(private.name + ".pub")
+    for p in (private, public):
+        if p.exists():
+            raise KilnError(f"{p} already exists; a key is never overwritten", "choose another path with --out")
+    key = ec.generate_private_key(ec.SECP256R1())
+    private.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public
+
+
+# ---------------------------------------------------------------------------------------------- signing
+def _hashing():
+    """What model-signing hashes: every file, sha256, no symlinks, nothing ignored (not even .git paths)."""
+    from model_signing import hashing
+
+    return hashing.Config().use_file_serialization(hashing_algorithm="sha256", allow_symlinks=False) \
+        .set_ignored_paths(paths=[], ignore_git_paths=False)
+
+
+def sign_tree(tree: Path, signature: Path, private_key: Path) -> None:
+    """Sign directory `tree` with model-signing's EC-key signer, made deterministic in its two random parts: the
+    statement's JSON (protobuf Struct maps iterate in a per-process order; here keys are sorted) and the ECDSA nonce
+    (RFC 6979). The bundle is otherwise built exactly as model-signing==1.1.1 builds it (pinned: this uses its
+    signer's internals), and its own verifier checks it."""
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from google.protobuf import json_format
+    from model_signing._signing import sign_ec_key
+    from model_signing._signing import sign_sigstore_pb as sigstore_pb
+    from model_signing._signing import signing as ms_signing
+    from sigstore_models import intoto as intoto_pb
+    from sigstore_models.bundle import v1 as bundle_pb
+
+    try:
+        signer = sign_ec_key.Signer(Path(private_key))
+    except (ValueError, TypeError, OSError) as e:
+        raise KilnError(f"{private_key}: not a usable signing key ({e})",
+                        "use a key made by `kiln keygen` (EC P-256, PEM, unencrypted)") from None
+    key = signer._private_key
+    statement = ms_signing.Payload(_hashing().hash(tree)).statement
+    raw = json_format.MessageToJson(statement.pb, sort_keys=True).encode("utf-8")
+    sig = key.sign(sigstore_pb.pae(raw), ec.ECDSA(sign_ec_key.get_ec_key_hash(key.public_key()),
+                                                 deterministic_signing=True))
+    envelope = intoto_pb.Envelope(payload=base64.b64encode(raw), payload_type=ms_signing._IN_TOTO_JSON_PAYLOAD_TYPE,
+                                  signatures=[intoto_pb.Signature(sig=base64.b64encode(sig), keyid="")])
+    bundle = bundle_pb.Bundle(media_type=sigstore_pb._BUNDLE_MEDIA_TYPE, dsse_envelope=envelope,
+                              verification_material=signer._get_verification_material())
+    sigstore_pb.Signature(bundle).write(Path(signature))
+
+
+def verify_tree(tree: Path, signature: Path, public_key: Path) -> None:
+    """model-signing's verifier: the signature over the statement, then every file's sha256 (extra or missing files
+    fail too). Raises GateFailed naming what failed."""
+    from model_signing import verifying
+
+    try:
+        verifying.Config().use_elliptic_key_verifier(public_key=Path(public_key)).set_hashing_config(_hashing()) \
+            .verify(Path(tree), Path(signature))
+    except Exception as e:  # noqa: BLE001 — model-signing raises ValueError, InvalidSignature, JSON and proto errors
+        msg = str(e) or type(e).__name__
+        hint = "do not use this release; get the archive and the publisher's key again"
+        if changed := re.findall(r"Hash mismatch for \\*'([^'\\]+)", msg):
+            raise GateFailed(f"signed content: {', '.join(changed)}: sha256 differs from the signed statement",
+                             hint) from None
+        if msg.startswith("Signature mismatch"):                    # files added or removed after signing
+            raise GateFailed(f"signed content: {msg[:500]}", hint) from None
+        raise GateFailed(f"signature: {msg[:300]} ({type(e).__name__})", hint) from None
+
+
+# ---------------------------------------------------------------------------------------------- deterministic tar
+def write_archive(dest: Path, top: Path, entries: list[str]) -> str:
+    """tar.gz of `entries` (paths relative to `top`; directories recurse), byte-for-byte deterministic. Returns its
+    sha256. Written to a temporary sibling and renamed."""
+    from pipeline.manifest import atomic_path
+
+    names: list[Path] = []
+    for e in entries:
+        p = top / e
+        names.append(p)
+        if p.is_dir():
+            names.extend(p.rglob("*"))
+    with atomic_path(dest) as tmp:
+        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for p in sorted(names, key=lambda q: q.relative_to(top).as_posix()):
+                if p.is_symlink():
+                    raise KilnError(f"{p}: a link cannot go into a release", "release regular files only")
+                info = tarfile.TarInfo(p.relative_to(top).as_posix())
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                if p.is_dir():
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(info)
+                else:
+                    info.size, info.mode = p.stat().st_size, 0o644
+                    with open(p, "rb") as f:
+                        tar.addfile(info, f)
+    return sha256_file(dest)
+
+
+def safe_extract(archive: Path, dest: Path) -> None:
+    """Extract only regular files and directories whose names stay inside `dest` (no links, devices, absolute
+    paths or '..'), within size limits."""
+    try:
+        tar = tarfile.open(archive, "r:gz")
+    except (OSError, tarfile.TarError, EOFError) as e:
+        raise GateFailed(f"{archive}: not a readable release archive ({e})", "get the archive again") from None
+    with tar:
+        try:
+            members = tar.getmembers()
+        except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as e:
+            raise GateFailed(f"{archive}: archive is corrupt ({e})", "get the archive again") from None
+        if len(members) > _MAX_MEMBERS or sum(m.size for m in members) > _MAX_BYTES:
+            raise GateFailed(f"{archive}: too many or too large members for a release", "get the archive again")
+        for m in members:
+            parts = Path(m.name).parts
+            if Path(m.name).is_absolute() or ".." in parts or not (m.isfile() or m.isdir()):
+                raise GateFailed(f"{archive}: member {m.name!r} is not a plain file inside the archive",
+                                 "refusing to extract it; do not use this archive")
+        try:
+            tar.extractall(dest, filter="data")
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise GateFailed(f"{archive}: archive is corrupt ({e})", "get the archive again") from None
+
+
+# ---------------------------------------------------------------------------------------------- building a release
+def _portable(node: Any) -> Any:
+    """The chain as shipped: without what depends on the releasing checkout (code drift, local run records)."""
+    if isinstance(node, dict):
+        out = {k: _portable(v) for k, v in node.items() if k != "commit"}
+        if isinstance(out.get("code"), dict):
+            out["code"] = {"modules": out["code"].get("modules", {})}
+        return out
+    if isinstance(node, list):
+        return [_portable(v) for v in node]
+    return node
+
+
+def _lockfiles() -> dict[str, str]:
+    from pipeline.stage import REPO
+
+    return {p.relative_to(REPO).as_posix(): sha256_file(p) for p in sorted((REPO / "lockfiles").glob("*"))
+            if p.is_file()}
+
+
+def _chain_nodes(tree: dict[str, Any]) -> list[dict[str, Any]]:
+    out, stack = [], [tree]
+    while stack:
+        n = stack.pop()
+        if "kind" in n:
+            out.append(n)
+        for e in n.get("inputs", []):
+            for k in ("node", "owner"):
+                if isinstance(e.get(k), dict):
+                    stack.append(e[k])
+    return sorted(out, key=lambda n: n["manifest"])
+
+
+def slsa_statement(release: dict[str, Any], engine_files: dict[str, str], tree: dict[str, Any],
+                   record: dict[str, Any], verdict: dict[str, Any], bench: dict[str, Any] | None,
+                   lockfiles: dict[str, str]) -> dict[str, Any]:
+    """in-toto Statement v1, SLSA Provenance v1 predicate (checked against the SLSA protobuf schema)."""
+    from google.protobuf import json_format
+    from in_toto_attestation.predicates.provenance.v1 import provenance_pb2
+    from in_toto_attestation.v1.resource_descriptor import ResourceDescriptor
+    from in_toto_attestation.v1.statement import Statement
+
+    nodes = _chain_nodes(tree)
+    deps: list[dict[str, Any]] = []
+    pins = {}
+    for n in nodes:
+        for pin in n.get("pins") or []:
+            pins[pin["requirement"]] = pin
+    for req, pin in sorted(pins.items()):
+        name, _, version = req.partition("==")
+        deps.append({"uri": f"pkg:pypi/{name}@{version}", "name": pin["archive"],
+                     "digest": {"sha256": pin["archive_sha256"]},
+                     "annotations": {"license": pin["license"], "members": pin["members"]}})
+    for path, sha in sorted(lockfiles.items()):
+        deps.append({"name": path, "digest": {"sha256": sha}})
+    code: dict[str, set[str]] = {}
+    for n in nodes:
+        for module, digest in (n.get("code") or {}).get("modules", {}).items():
+            code.setdefault(module, set()).add(digest)
+    for module in sorted(code):
+        for digest in sorted(code[module]):
+            deps.append({"name": module, "digest": {"xxh3_128": digest}})
+    commit = (record.get("git") or {}).get("commit")
+    if commit:
+        deps.append({"name": "kiln source", "digest": {"gitCommit": commit},
+                     "annotations": {"dirty": bool((record.get("git") or {}).get("dirty"))}})
+    predicate = {
+        "buildDefinition": {
+            "buildType": BUILD_TYPE,
+            "externalParameters": {"registered_model": release["registered_model"], "version": release["version"],
+                                   "params": {n["stage"] or n["manifest"]: n["params"]["values"] for n in nodes}},
+            "internalParameters": {"toolchain": {n["stage"] or n["manifest"]: n["toolchain"] for n in nodes}},
+            "resolvedDependencies": deps},
+        "runDetails": {
+            "builder": {"id": "https://kiln.invalid/builders/dvc-repro"},
+            "metadata": {"invocationId": str(record.get("stage", release["artifact"]))}
+            | ({"startedOn": record["started_at"]} if record.get("started_at") else {}),
+            "byproducts": [{"name": "validation.json", "annotations": {
+                "verdict": verdict.get("verdict"), "metrics": verdict.get("metrics") or {}}}]
+            + ([{"name": "bench.json", "annotations": bench}] if bench else [])}}
+    json_format.ParseDict(predicate, provenance_pb2.Provenance())           # schema check: raises on a bad field
+    subjects = [ResourceDescriptor(name=f"engine/{path}", digest={"sha256": sha}).pb
+                for path, sha in sorted(engine_files.items())]
+    st = Statement(subjects, SLSA_PREDICATE, predicate)
+    st.validate()
+    return json_format.MessageToDict(st.pb)
+
+
+def _resolve_version(reg, name: str, ref: str) -> int:
+    from pipeline.registry.releases import PRODUCTION
+
+    if ref.lstrip("v").isdigit():
+        return int(ref.lstrip("v"))
+    paths.slug(ref, "alias")
+    version = reg.aliases(name).get(ref)
+    if version is None:
+        raise KilnError(f"{name}: no version has the alias {ref!r}",
+                        f"promote one first (kiln promote {name} VERSION)" if ref == PRODUCTION else
+                        f"see the aliases with: kiln history {name}")
+    return int(version)
+
+
+def build(cfg, name: str, ref: str, root: Path = Path("."), key: Path | None = None,
+          out_dir: Path | None = None) -> Release:
+    """Release version `ref` (a number or an alias) of registered model `name` as a signed deterministic archive."""
+    from pipeline import provenance
+    from pipeline.registry.client import Registry, errors, registered_name
+    from pipeline.registry.registration import BENCH_FILE, RECORD_FILE
+    from pipeline.registry.releases import KILN_DIR, _gate, download_verified
+
+    root = Path(root)
+    key = key_path(str(key) if key else None)
+    if not key.is_file():
+        raise KilnError(f"{key}: signing key not found", "make one with `kiln keygen --out PATH`")
+    _outside_repo(key, "signing key")
+    out_dir = Path(out_dir) if out_dir else root / RELEASES
+    name = registered_name(cfg, name)
+    reg = Registry(cfg, root)
+    with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-release-") as tmp:
+        reg.require_model(name)
+        version = _resolve_version(reg, name, ref)
+        v = download_verified(reg, name, version, Path(tmp) / "download")
+        _gate(reg, name, version, v, Path(tmp) / "attached")        # a release passes what promote demands
+        artifact = v.params["kiln.artifact"]
+        ident = identity_digest(v.manifest)
+        start = provenance.resolve(f"{name}/{version}", root, cfg)
+        chain = provenance.walk(start, root)
+        if not chain.ok:
+            raise GateFailed(f"{name} v{version}: its provenance chain is broken: {chain.breaks[0]}",
+                             f"see `kiln provenance {name}/{version}`; rebuild or restore the artifact (dvc checkout)")
+        rel = f"{name}-v{version}"
+        tree = Path(tmp) / rel
+        engine = tree / "engine"
+        files = [e["path"] for e in v.manifest["files"]]
+        for f in files + [manifest_path(Path(""), artifact).as_posix()]:
+            _copy(v.directory / f, engine / f)
+        for f in sorted((v.directory / KILN_DIR).iterdir()):
+            _copy(f, engine / KILN_DIR / f.name)
+        for m in chain.manifests:
+            _copy(root / m, tree / "chain" / m)
+        record = _read_json(engine / KILN_DIR / RECORD_FILE) or {}
+        bench = (_read_json(engine / KILN_DIR / BENCH_FILE) or {}).get("metrics")
+        doc = {"schema": SCHEMA, "registered_model": name, "version": version, "artifact": artifact,
+               "kind": v.params.get("kiln.kind", "engine"), "manifest": f"engine/{artifact}.manifest.json",
+               "manifest_xxh3_128": ident, "artifact_sha256": v.params["kiln.sha256"],
+               "validation_manifest_xxh3_128": v.params["kiln.validation_manifest_xxh3_128"],
+               "verdict": v.verdict.get("verdict"),
+               "gate": "stored" if v.verdict.get("verdict") == "pass" else "attached",
+               "model": v.manifest.get("model"), "target": v.manifest.get("target"),
+               "precision": v.manifest.get("precision"), "chain": sorted(chain.manifests)}
+        lockfiles = _lockfiles()
+        portable = _portable(chain.tree)
+        engine_files = {f: e["sha256"] for e in v.manifest["files"] for f in [e["path"]]}
+        _write(tree / "release.json", doc)
+        _write(tree / "provenance.json", {"subject": rel, "chain": portable})
+        _write(tree / "lockfiles.json", lockfiles)
+        _write(tree / "slsa-provenance.json", slsa_statement(doc, engine_files, portable, record, v.verdict, bench,
+                                                              lockfiles))
+        sign_tree(tree, Path(tmp) / f"{rel}{SIG_SUFFIX}", key)
+        dest = out_dir / f"{rel}.tar.gz"
+        staged = Path(tmp) / "archive.tar.gz"
+        sha = write_archive(staged, Path(tmp), [rel, f"{rel}{SIG_SUFFIX}"])
+        _place(staged, dest, sha)
+        recorded = _record(reg, name, version, ref, dest, sha)
+    return Release(dest, sha, name, version, recorded)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+
+
+def _write(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(json_bytes(obj))
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _place(staged: Path, dest: Path, sha: str) -> None:
+    """Move the archive to `dest`; an existing archive is kept if identical and never overwritten if not."""
+    if dest.exists():
+        if sha256_file(dest) == sha:
+            return
+        raise KilnError(f"{dest} exists with other bytes (sha256 {sha256_file(dest)}, this build {sha}); a release "
+                        "is never overwritten", "move the old archive away deliberately, or pass --out DIR")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(staged), str(dest.with_name(f".{dest.name}.{os.getpid()}.tmp")))
+    os.replace(dest.with_name(f".{dest.name}.{os.getpid()}.tmp"), dest)
+
+
+def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str) -> bool:
+    """Tag the version and append a `release` entry (with the archive) to the release history, once per archive."""
+    from pipeline.registry.releases import AliasMove, actor_name, now, record_move
+
+    with reg.lock(name):
+        if (reg.version(name, version).tags or {}).get(RELEASE_TAG) == sha:
+            return False
+        previous = reg.aliases(name).get(RELEASE_ALIAS)
+        record_move(reg, AliasMove(name, RELEASE_ALIAS, previous, version, "release", actor_name(), now(),
+                                   f"released {archive.name} sha256 {sha[:12]} (from {ref})"))
+        run_id = (reg.version(name, version).tags or {})[f"{RELEASE_ALIAS}_release_run"]   # stamped by record_move
+        reg.client.log_artifact(run_id, str(archive))
+        reg.client.set_registered_model_alias(name, RELEASE_ALIAS, str(version))
+        reg.client.set_model_version_tag(name, str(version), RELEASE_TAG, sha)      # last: marks it recorded
+    return True
+
+
+def release_all_production(cfg, root: Path = Path("."), key: Path | None = None,
+                           out_dir: Path | None = None) -> list[Release]:
+    from pipeline.registry.client import Registry, errors, is_lock
+    from pipeline.registry.releases import PRODUCTION
+
+    reg = Registry(cfg, root)
+    with errors(reg.uri):
+        names = sorted(m.name for m in reg.client.search_registered_models(max_results=1000)
+                       if not is_lock(m) and PRODUCTION in (m.aliases or {}))
+    if not names:
+        raise KilnError("no registered model has a production version", "promote one first (kiln promote NAME N)")
+    return [build(cfg, n, PRODUCTION, root, key, out_dir) for n in names]
+
+
+# ---------------------------------------------------------------------------------------------- verifying a release
+def verify(archive: Path, public_key: Path) -> list[str]:
+    """Verify a release archive offline. Returns what was checked; raises GateFailed at the first failure."""
+    archive, public_key = Path(archive), Path(public_key)
+    if not archive.is_file():
+        raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
+    if not public_key.is_file():
+        raise KilnError(f"{public_key}: no such public key", "pass the publisher's .pub key (kiln keygen writes it)")
+    done: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp:
+        tmp = Path(tmp)
+        safe_extract(archive, tmp)
+        sigs = sorted(tmp.glob(f"*{SIG_SUFFIX}"))
+        dirs = sorted(p for p in tmp.iterdir() if p.is_dir())
+        if len(sigs) != 1 or len(dirs) != 1 or sigs[0].name != dirs[0].name + SIG_SUFFIX or \
+                len(list(tmp.iterdir())) != 2:
+            raise GateFailed(f"{archive}: expected exactly <R>/ and <R>{SIG_SUFFIX} at the top, found "
+                             f"{sorted(p.name for p in tmp.iterdir())}", "get the archive again")
+        tree, sig = dirs[0], sigs[0]
+        verify_tree(tree, sig, public_key)
+        done.append(f"signature: model-signing bundle verified with {public_key.name}; every file's sha256 matches "
+                    "the signed statement, none unsigned")
+        done += _check_content(tree)
+    return done
+
+
+def _check_content(tree: Path) -> list[str]:
+    def fail(what: str, why: str) -> GateFailed:
+        return GateFailed(f"{what}: {why}", "do not use this release")
+
+    doc = _read_json(tree / "release.json")
+    if not doc or doc.get("schema") != SCHEMA:
+        raise fail("release.json", f"missing or not schema {SCHEMA}")
+    mfile = tree / doc["manifest"]
+    try:
+        manifest = read_manifest(mfile)
+    except KilnError as e:
+        raise fail(doc["manifest"], e.message) from None
+    if problems := check_files(mfile, manifest):
+        raise fail(doc["manifest"], "; ".join(p.replace(str(tree) + os.sep, "") for p in problems[:3]))
+    ident = identity_digest(manifest)
+    if ident != doc.get("manifest_xxh3_128"):
+        raise fail(doc["manifest"], f"identity {ident}, release.json says {doc.get('manifest_xxh3_128')}")
+    from pipeline.registry.registration import artifact_digest
+
+    if artifact_digest(manifest) != doc.get("artifact_sha256"):
+        raise fail(doc["manifest"], "content digest differs from the registered one in release.json")
+    done = [f"engine: {len(manifest['files'])} file(s) match {doc['manifest']} (bytes, xxh3-128, sha256)"]
+    vdir = mfile.parent / "kiln"
+    vfile = manifest_path(vdir, doc["artifact"])
+    try:
+        vm = read_manifest(vfile)
+    except KilnError as e:
+        raise fail(f"engine/kiln/{vfile.name}", e.message) from None
+    if check_files(vfile, vm) or identity_digest(vm) != doc.get("validation_manifest_xxh3_128"):
+        raise fail(f"engine/kiln/{vfile.name}", "validation manifest or its files differ from the registered ones")
+    verdict = _read_json(vdir / paths.VALIDATION_FILE) or {}
+    if verdict.get("engine_manifest_xxh3_128") != ident:
+        raise fail(f"engine/kiln/{paths.VALIDATION_FILE}", "the validation is about another build")
+    attached = verdict.get("verdict") == "not-run" and doc.get("gate") == "attached"
+    if verdict.get("verdict") != "pass" and not attached:     # built-only: a pass by a host with the runtime
+        raise fail(f"engine/kiln/{paths.VALIDATION_FILE}", f"verdict is {verdict.get('verdict')!r}, not 'pass'")
+    done.append(f"validation: verdict {verdict.get('verdict')} about this exact engine"
+                + (" (a pass attached by a host with the runtime, checked at release)" if attached else ""))
+    chain_root = tree / "chain"
+    todo, seen = [(mfile, manifest)], set()
+    while todo:
+        path, m = todo.pop()
+        where = path.relative_to(tree).as_posix()
+        for ref in m["inputs"]:
+            if "manifest" in ref:
+                up = chain_root / ref["manifest"]
+                if not up.is_file() or ".." in Path(ref["manifest"]).parts:
+                    raise fail(where, f"input {ref['manifest']} is not in the release's chain")
+                try:
+                    um = read_manifest(up)
+                except KilnError as e:
+                    raise fail(f"chain/{ref['manifest']}", e.message) from None
+                if identity_digest(um) != ref.get("xxh3_128"):
+                    raise fail(f"chain/{ref['manifest']}", f"identity {identity_digest(um)}, {m['name']} was built "
+                               f"from {ref.get('xxh3_128')}")
+                if ref["manifest"] not in seen:
+                    seen.add(ref["manifest"])
+                    todo.append((up, um))
+            elif "path" in ref:
+                seen.add(_check_pinned_file(chain_root, ref, where, fail))
+    missing = sorted(set(doc.get("chain", [])) - seen - {_chain_self(doc)})
+    if missing:
+        raise fail("release.json", f"chain lists {missing[0]}, which no manifest links to")
+    done.append(f"chain: {len(seen)} upstream manifests, every link's identity digest matches; every weight and photo "
+                "is a file of the pinned assets manifest")
+    st = _read_json(tree / "slsa-provenance.json") or {}
+    if st.get("predicateType") != SLSA_PREDICATE:
+        raise fail("slsa-provenance.json", "missing or not a SLSA Provenance v1 statement")
+    subjects = {s.get("name"): (s.get("digest") or {}).get("sha256") for s in st.get("subject", [])}
+    expected = {f"engine/{e['path']}": e["sha256"] for e in manifest["files"]}
+    if subjects != expected:
+        raise fail("slsa-provenance.json", "its subjects are not exactly the engine's files and digests")
+    done.append(f"slsa: {len(subjects)} subject(s) = the engine files; "
+                f"{len(st['predicate']['buildDefinition']['resolvedDependencies'])} resolved dependencies")
+    return done
+
+
+def _chain_self(doc: dict) -> str:
+    return f"artifacts/engines/{doc['artifact']}/{doc['artifact']}.manifest.json"
+
+
+def _check_pinned_file(chain_root: Path, ref: dict, where: str, fail) -> str:
+    """A plain input (weights, photo) must be a file of a shipped manifest (the assets') with the same sha256."""
+    rel = Path(ref["path"])
+    for d in rel.parents:
+        for m in sorted((chain_root / d).glob("*.manifest.json")) if (chain_root / d).is_dir() else []:
+            doc = read_manifest(m)
+            member = rel.relative_to(d).as_posix()
+            entry = next((e for e in doc["files"] if e.get("path") == member), None)
+            if entry is not None:
+                if entry.get("sha256") != ref.get("sha256"):
+                    raise fail(where, f"input {ref['path']} has sha256 {ref.get('sha256')}, the pinned "
+                               f"{m.relative_to(chain_root).as_posix()} says {entry.get('sha256')}")
+                return m.relative_to(chain_root).as_posix()
+    raise fail(where, f"input file {ref['path']} is not a file of any manifest in the chain")
+
+
+__all__ = ["KEY_ENV", "Release", "build", "keygen", "release_all_production", "verify", "write_archive"]
