@@ -204,6 +204,16 @@ def cmd_verify_release(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from pipeline import report
+
+    r = report.for_workspace(_cfg(args), Path("."))
+    out = report.write(r, Path(args.out))
+    print(f"report: {len(r.rows)} engines, {len(r.curves)} matching curves, {len(r.manifests)} artifacts in the "
+          f"provenance graph → {out}")
+    return 1 if r.broken else 0
+
+
 def cmd_rebuild_check(args) -> int:
     from pipeline import rebuild
 
@@ -343,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
             "signature, every file digest, the manifest chain, the verdict (exit 1 at the first failure)")
     p.add_argument("archive", help="the .tar.gz written by kiln release")
     p.add_argument("--key", required=True, help="the publisher's public key (.pub)")
+    p = add("report", cmd_report, "one self-contained HTML page: every engine's latency (p50/p99, b1/b8), speed-up, "
+            "accuracy, verdict and fallbacks; plots; matching curves; the verified provenance graph (exit 1 if a "
+            "link is broken)")
+    p.add_argument("--out", default="artifacts/reports/report.html", help="where to write it")
     p = add("rebuild-check", cmd_rebuild_check, "rebuild one stage in a fresh process in a scratch project and "
             "classify the result: bit-identical, numerically equivalent, task-equivalent (exit 1 if below the "
             "target's claim)")

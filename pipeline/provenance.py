@@ -34,6 +34,7 @@ class Chain:
     tree: dict[str, Any]
     breaks: list[str] = field(default_factory=list)
     manifests: list[str] = field(default_factory=list)     # root-relative, every manifest the chain reached
+    broken: set[str] = field(default_factory=set)          # the manifests (root-relative) where a link broke
 
     @property
     def ok(self) -> bool:
@@ -150,6 +151,7 @@ class _Walker:
         self.seen: set[str] = set()
         self.breaks: list[str] = []
         self.manifests: list[str] = []
+        self.broken: set[str] = set()
         self._stages = _stage_outs(self.root)
         self._docs: dict[str, dict] = {}
 
@@ -170,6 +172,7 @@ class _Walker:
             m = read_manifest(manifest)
         except KilnError as e:
             self.breaks.append(e.message)
+            self.broken.add(rel)
             return {"manifest": rel, "broken": e.message}
         node: dict[str, Any] = {"manifest": rel, "kind": m["kind"], "name": m["name"], "xxh3_128": identity_digest(m),
                                 "files": [{k: f.get(k) for k in ("path", "bytes", "sha256")} for f in m["files"]]}
@@ -179,6 +182,7 @@ class _Walker:
         if problems := check_files(manifest, m):
             node["broken"] = f"{rel}: files do not match the manifest: " + "; ".join(problems[:3])
             self.breaks.append(node["broken"])
+            self.broken.add(rel)
         stage = self._stage_of(rel)
         record = _read_record(stage, self.root) if stage else None
         node["stage"] = stage
@@ -200,20 +204,21 @@ class _Walker:
         if "manifest" in ref:
             upstream = self.root / ref["manifest"]
             out = {"role": role, "xxh3_128": ref.get("xxh3_128")}
+            problem = None
             if not upstream.is_file():
-                out["broken"] = f"{ref['manifest']}: input manifest of {consumer} is missing"
-                self.breaks.append(out["broken"])
-                return out
-            try:
-                actual = identity_digest(read_manifest(upstream))
-            except KilnError as e:
-                out["broken"] = e.message
-                self.breaks.append(e.message)
-                return out
-            if actual != ref.get("xxh3_128"):
-                out["broken"] = (f"{ref['manifest']}: changed since {consumer} was built (identity {actual}, "
-                                 f"{consumer} recorded {ref.get('xxh3_128')})")
-                self.breaks.append(out["broken"])
+                problem = f"{ref['manifest']}: input manifest of {consumer} is missing"
+            else:
+                try:
+                    actual = identity_digest(read_manifest(upstream))
+                    if actual != ref.get("xxh3_128"):
+                        problem = (f"{ref['manifest']}: changed since {consumer} was built (identity {actual}, "
+                                   f"{consumer} recorded {ref.get('xxh3_128')})")
+                except KilnError as e:
+                    problem = e.message
+            if problem:
+                out["broken"] = problem
+                self.breaks.append(problem)
+                self.broken.add(ref["manifest"])
                 return out
             out["node"] = self.node(upstream)
             return out
@@ -241,6 +246,8 @@ class _Walker:
                     out["owner"] = self.node(owner)
         if "broken" in out:
             self.breaks.append(out["broken"])
+            self.broken.add(self.rel(owner) if f.is_file() and (owner := _owner(f.resolve(), self.root.resolve()))
+                            else rel)
         return out
 
     def _doc(self, manifest: Path) -> dict:
@@ -287,9 +294,18 @@ def _code_drift(code: dict[str, str]) -> list[str]:
 
 def walk(manifest: Path, root: Path = Path(".")) -> Chain:
     """Walk and verify the chain from one manifest."""
+    return walk_many([manifest], root)[0]
+
+
+def walk_many(manifests: list[Path], root: Path = Path(".")) -> list[Chain]:
+    """Walk several chains; an artifact they share is verified once (later chains refer to it with "see")."""
     w = _Walker(Path(root))
-    tree = w.node(Path(manifest))
-    return Chain(tree, w.breaks, w.manifests)
+    out = []
+    for m in manifests:
+        mark = (len(w.breaks), len(w.manifests))
+        tree = w.node(Path(m))
+        out.append(Chain(tree, w.breaks[mark[0]:], w.manifests[mark[1]:], set(w.broken)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- text
@@ -362,4 +378,4 @@ def render(chain: Chain) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Chain", "render", "resolve", "walk"]
+__all__ = ["Chain", "render", "resolve", "walk", "walk_many"]

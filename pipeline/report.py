@@ -1,0 +1,300 @@
+"""`kiln report`: one self-contained HTML page — tables, plots (inline SVG) and the provenance graph; no scripts, no
+fonts, no network.
+
+Two scopes, one renderer:
+* the workspace (`kiln report`): every engine's latency p50/p99 at batch 1 and 8, speed-up over PyTorch eager,
+  accuracy and verdict, fallback count (the leaderboard's rows + the bench's tails), an accuracy-vs-latency plot per
+  model, each gallery's recall/latency curve, and the provenance graph of every built engine (walked and verified:
+  a broken node is drawn red);
+* a release (`kiln release` puts `report.html` in the signed tree): the same page built from the release's own
+  files only (its registered bench, verdict, manifest and chain), so it is as deterministic as the archive.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline import paths
+from pipeline.errors import KilnError
+from pipeline.manifest import SUFFIX, atomic_path, read_manifest
+
+VERDICT_COLOR = {"pass": "#1a7f37", "fail": "#cf222e", "not-run": "#9a6700", "missing": "#6e7781"}
+KIND_COLOR = {"assets": "#ddf4ff", "dataset": "#fff8c5", "golden": "#fbefff", "onnx": "#dafbe1",
+              "calibration": "#ffebe9", "program": "#dafbe1", "engine": "#b6e3ff"}
+
+
+@dataclass
+class Report:
+    title: str
+    subtitle: str
+    rows: list[dict[str, Any]]                       # one per engine (leaderboard row + p99s)
+    curves: dict[str, list[dict[str, Any]]] = field(default_factory=dict)   # gallery → index points
+    manifests: dict[str, dict[str, Any]] = field(default_factory=dict)      # provenance graph: path → manifest
+    broken: set[str] = field(default_factory=set)    # manifest paths whose files or links did not verify
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- collecting
+def for_workspace(cfg, root: Path = Path(".")) -> Report:
+    from pipeline import provenance
+    from pipeline.stages import leaderboard
+
+    root = Path(root)
+    rows, _ = leaderboard.rows(cfg, root)
+    for r in rows:
+        bench = _read(paths.bench(r["model"], root) / paths.BENCH_FILE) or {}
+        t = (bench.get("engines") or {}).get(r["engine"], {})
+        r["b1_p99_ms"], r["b8_p99_ms"] = t.get("b1_p99_ms"), t.get("b8_p99_ms")
+    curves = {}
+    for size in cfg.matching.gallery_sizes:
+        if (c := _read(paths.curve(size, root))) is not None:
+            curves[paths.gallery_name(size)] = c
+    built = [m for e in cfg.engines if (m := paths.engine(e, root) / f"{e}{SUFFIX}").is_file()]
+    chains = provenance.walk_many(built, root)
+    manifests = {}
+    for m in (m for c in chains for m in c.manifests):
+        try:
+            manifests[m] = read_manifest(root / m)
+        except KilnError:
+            continue
+    broken = set().union(*(c.broken for c in chains)) if chains else set()
+    notes = [f"{len(built)} of {len(cfg.engines)} configured engines built; "
+             + ("every provenance link verified" if not broken else f"{len(broken)} artifact(s) failed verification")]
+    return Report("Kiln build report", f"workspace {root.resolve().name}: {len(rows)} engines, "
+                  f"{len(curves)} galleries", rows, curves, manifests, broken, notes)
+
+
+def for_release(cfg, tree: Path) -> Report:
+    """From a release tree only (release.json, engine/, chain/): deterministic like the archive itself."""
+    from pipeline.stages.leaderboard import ACCURACY
+
+    doc = json.loads((tree / "release.json").read_text())
+    manifest = read_manifest(tree / doc["manifest"])
+    verdict = _read(tree / "engine" / "kiln" / paths.VALIDATION_FILE) or {}
+    bench = (_read(tree / "engine" / "kiln" / paths.BENCH_FILE) or {}).get("metrics") or {}
+    model = manifest.get("model")
+    try:
+        metric, label = ACCURACY[cfg.model(model).samples]
+    except Exception:  # noqa: BLE001 — a model this params.yaml no longer has: show the verdict's first metric
+        metric, label = next(iter((verdict.get("metrics") or {"accuracy": None}).keys())), "accuracy"
+    audit = (manifest.get("results") or {}).get("audit") or {}
+    row = {"model": model, "target": manifest.get("target"), "precision": manifest.get("precision"),
+           "recipe": (manifest.get("build") or {}).get("recipe"), "engine": doc["artifact"],
+           "accuracy_metric": label, "accuracy": (verdict.get("metrics") or {}).get(metric),
+           "verdict": verdict.get("verdict", "missing"), "fallback_nodes": audit.get("fallback_nodes"),
+           "best": False, "note": f"{doc['registered_model']} v{doc['version']}",
+           **{k: bench.get(k) for k in ("b1_p50_ms", "b1_p99_ms", "b8_p50_ms", "b8_p99_ms",
+                                        "b1_speedup_vs_eager", "b8_speedup_vs_eager")}}
+    manifests = {m.relative_to(tree / "chain").as_posix(): read_manifest(m)
+                 for m in sorted((tree / "chain").rglob(f"*{SUFFIX}"))}
+    return Report(f"Kiln release {doc['registered_model']} v{doc['version']}",
+                  f"{doc['artifact']}: sha256 of its files {doc['artifact_sha256'][:16]}…, verdict {row['verdict']}",
+                  [row], {}, manifests, set(),
+                  ["Timings are the bench record registered with this version (its build host), not a new run.",
+                   "No gallery index in this release: the matching curve is in the gallery's own release."])
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- SVG
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], int]:
+    """Round tick values in [lo, hi] and the decimals that tell them apart."""
+    if hi <= lo:
+        return [lo], 6
+    step = 10 ** math.floor(math.log10((hi - lo) / n))
+    for m in (1, 2, 5, 10):
+        if (hi - lo) / (step * m) <= n:
+            step *= m
+            break
+    start = math.ceil(lo / step) * step
+    return [round(start + i * step, 12) for i in range(int((hi - start) / step) + 1)], \
+        max(0, -math.floor(math.log10(step)))
+
+
+def scatter(points: list[dict[str, Any]], x: str, y: str, xlabel: str, ylabel: str, title: str,
+            logx: bool = False) -> str:
+    """A small SVG scatter plot of points {x, y, label, color}; `logx`: a log10 x axis with decade ticks."""
+    pts = [p for p in points if isinstance(p.get(x), (int, float)) and isinstance(p.get(y), (int, float))
+           and (not logx or p[x] > 0)]
+    if logx:
+        pts = [{**p, "_x": p[x], x: math.log10(p[x])} for p in pts]
+    w, h, ml, mr, mt, mb = 600, 300, 80, 110, 30, 45
+    if not pts:
+        return f'<p class="empty">{_e(title)}: nothing measured</p>'
+    xs, ys = [p[x] for p in pts], [p[y] for p in pts]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys), max(ys)
+    padx, pady = (x1 - x0) * 0.08 or abs(x0) * 0.1 or 1, (y1 - y0) * 0.1 or abs(y0) * 0.001 or 1e-6
+    x0, x1, y0, y1 = x0 - padx, x1 + padx, y0 - pady, y1 + pady
+
+    def px(v: float) -> float:
+        return ml + (v - x0) / (x1 - x0) * (w - ml - mr)
+
+    def py(v: float) -> float:
+        return h - mb - (v - y0) / (y1 - y0) * (h - mt - mb)
+
+    out = [f'<svg class="plot" role="img" aria-label="{_e(title)}" viewBox="0 0 {w} {h}" width="{w}" height="{h}" '
+           'xmlns="http://www.w3.org/2000/svg">',
+           f'<text x="{w / 2}" y="18" text-anchor="middle" class="t">{_e(title)}</text>',
+           f'<line x1="{ml}" y1="{h - mb}" x2="{w - mr}" y2="{h - mb}" class="ax"/>',
+           f'<line x1="{ml}" y1="{mt}" x2="{ml}" y2="{h - mb}" class="ax"/>']
+    xt, xd = ([float(k) for k in range(math.ceil(x0), math.floor(x1) + 1)], 0) if logx else _ticks(x0, x1)
+    for t in xt:
+        label = f"{10 ** t:g}" if logx else f"{t:.{xd}f}"
+        out.append(f'<text x="{px(t):.1f}" y="{h - mb + 15}" text-anchor="middle" class="k">{label}</text>')
+    yt, yd = _ticks(y0, y1)
+    for t in yt:
+        out.append(f'<text x="{ml - 5}" y="{py(t) + 4:.1f}" text-anchor="end" class="k">{t:.{yd}f}</text>')
+        out.append(f'<line x1="{ml}" y1="{py(t):.1f}" x2="{w - mr}" y2="{py(t):.1f}" class="g"/>')
+    out.append(f'<text x="{(ml + w - mr) / 2}" y="{h - 8}" text-anchor="middle" class="k">{_e(xlabel)}</text>')
+    out.append(f'<text x="14" y="{(mt + h - mb) / 2}" text-anchor="middle" class="k" '
+               f'transform="rotate(-90 14 {(mt + h - mb) / 2})">{_e(ylabel)}</text>')
+    for p in pts:
+        out.append(f'<circle cx="{px(p[x]):.1f}" cy="{py(p[y]):.1f}" r="5" fill="{p.get("color", "#0969da")}">'
+                   f'<title>{_e(p.get("label", ""))}: {_e(xlabel)} {p.get("_x", p[x]):.4g}, {_e(ylabel)} '
+                   f'{p[y]:.6g}</title></circle>')
+        out.append(f'<text x="{px(p[x]) + 7:.1f}" y="{py(p[y]) - 6:.1f}" class="pl">{_e(p.get("label", ""))}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def graph(manifests: dict[str, dict[str, Any]], broken: set[str]) -> str:
+    """The provenance DAG as layered SVG: sources (assets) on the left, engines on the right."""
+    if not manifests:
+        return '<p class="empty">no provenance chain</p>'
+    edges: set[tuple[str, str]] = set()
+    for path, m in manifests.items():
+        for ref in m.get("inputs", []):
+            if ref.get("manifest") in manifests:
+                edges.add((ref["manifest"], path))
+            elif "path" in ref and (owner := _owner_of(ref["path"], manifests)):
+                edges.add((owner, path))
+    depth: dict[str, int] = {}
+
+    def d(n: str, stack: tuple = ()) -> int:
+        if n not in depth:
+            ups = [a for a, b in edges if b == n and a not in stack]
+            depth[n] = 1 + max((d(a, stack + (n,)) for a in ups), default=-1)
+        return depth[n]
+
+    layers: dict[int, list[str]] = {}
+    for n in sorted(manifests):
+        layers.setdefault(d(n), []).append(n)
+    bw, bh, gx, gy = 200, 34, 60, 12
+    pos = {n: (20 + lx * (bw + gx), 20 + i * (bh + gy)) for lx, ns in layers.items() for i, n in enumerate(ns)}
+    w = 40 + len(layers) * (bw + gx)
+    h = 40 + max(len(ns) for ns in layers.values()) * (bh + gy)
+    out = [f'<svg class="graph" role="img" aria-label="provenance graph" viewBox="0 0 {w} {h}" width="{w}" '
+           f'height="{h}" xmlns="http://www.w3.org/2000/svg">']
+    for a, b in sorted(edges):
+        (ax, ay), (bx, by) = pos[a], pos[b]
+        out.append(f'<path d="M{ax + bw},{ay + bh / 2} C{ax + bw + gx / 2},{ay + bh / 2} {bx - gx / 2},{by + bh / 2} '
+                   f'{bx},{by + bh / 2}" class="edge"/>')
+    for n, (x, y) in sorted(pos.items()):
+        m = manifests[n]
+        fill = "#ffcecb" if n in broken else KIND_COLOR.get(m.get("kind"), "#f6f8fa")
+        label = f"{m.get('kind')}: {m.get('name')}"
+        out.append(f'<g><title>{_e(n)}</title><rect x="{x}" y="{y}" width="{bw}" height="{bh}" rx="5" '
+                   f'fill="{fill}" class="node"/><text x="{x + 8}" y="{y + 21}" class="nl">'
+                   f'{_e(label if len(label) <= 30 else label[:29] + "…")}</text></g>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _owner_of(file_path: str, manifests: dict[str, dict[str, Any]]) -> str | None:
+    for path, m in manifests.items():
+        base = path.rsplit("/", 1)[0] + "/"
+        if file_path.startswith(base) and any(f.get("path") == file_path[len(base):] for f in m.get("files", [])):
+            return path
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- HTML
+CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1f2328;max-width:1500px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
+table{border-collapse:collapse;margin:8px 0}th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:right}
+th{background:#f6f8fa}td.l,th.l{text-align:left}tr.best td{font-weight:600;background:#dafbe1}
+.v-pass{color:#1a7f37}.v-fail{color:#cf222e}.v-not-run{color:#9a6700}.sub{color:#656d76}.empty{color:#656d76}
+svg text{font:11px system-ui,sans-serif}svg .t{font-size:13px;font-weight:600}svg .ax{stroke:#1f2328}
+svg .g{stroke:#eaeef2}svg .ln{fill:none;stroke:#8c959f}svg .pl{fill:#424a53}svg .edge{fill:none;stroke:#8c959f}
+svg .node{stroke:#57606a}svg .nl{font-size:11px}.plots{display:flex;flex-wrap:wrap;gap:16px}
+.graphbox{overflow-x:auto;border:1px solid #d0d7de}"""
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def render(r: Report) -> str:
+    parts = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+             '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; style-src \'unsafe-inline\'; '
+             'img-src data:">', f"<title>{_e(r.title)}</title><style>{CSS}</style></head><body>",
+             f"<h1>{_e(r.title)}</h1><p class=\"sub\">{_e(r.subtitle)}</p>"]
+    parts += [f"<p class=\"sub\">{_e(n)}</p>" for n in r.notes]
+    models = list(dict.fromkeys(row["model"] for row in r.rows))
+    parts.append('<h2 id="engines">Engines: latency, speed-up, accuracy, verdict, fallbacks</h2>')
+    head = ["target", "precision", "b1 p50 ms", "b1 p99 ms", "b8 p50 ms", "b8 p99 ms", "b1 × eager", "b8 × eager",
+            "accuracy", "verdict", "fallbacks"]
+    for model in models:
+        rows = [x for x in r.rows if x["model"] == model]
+        parts.append(f"<h3>{_e(model)}</h3><table class=\"engines\"><tr>"
+                     + "".join(f'<th class="{"l" if i < 2 else ""}">{_e(h)}</th>' for i, h in enumerate(head))
+                     + "</tr>")
+        for x in rows:
+            prec = x["precision"] + (f" ({x['recipe']})" if x.get("recipe") else "")
+            cells = [x["target"], prec, _f(x.get("b1_p50_ms"), ".3f"), _f(x.get("b1_p99_ms"), ".3f"),
+                     _f(x.get("b8_p50_ms"), ".3f"), _f(x.get("b8_p99_ms"), ".3f"),
+                     _f(x.get("b1_speedup_vs_eager"), ".2f"), _f(x.get("b8_speedup_vs_eager"), ".2f"),
+                     f"{x['accuracy_metric']} {_f(x.get('accuracy'), '.6g')}"]
+            parts.append(f'<tr class="{"best" if x.get("best") else ""}">'
+                         + "".join(f'<td class="{"l" if i < 2 else ""}">{_e(c)}</td>' for i, c in enumerate(cells))
+                         + f'<td class="l v-{_e(x["verdict"])}">{_e(x["verdict"])}</td>'
+                         + f'<td>{_e(_f(x.get("fallback_nodes"), "d"))}</td></tr>')
+        parts.append("</table>")
+    parts.append('<h2 id="accuracy-latency">Accuracy vs latency (batch 1, p50)</h2><div class="plots">')
+    for model in models:
+        pts = [{"x": x.get("b1_p50_ms"), "y": x.get("accuracy"), "label": f"{x['target']}/{x['precision']}",
+                "color": VERDICT_COLOR.get(x["verdict"], "#6e7781")} for x in r.rows if x["model"] == model]
+        metric = next(x["accuracy_metric"] for x in r.rows if x["model"] == model)
+        parts.append(scatter(pts, "x", "y", "b1 p50 latency (ms)", metric, f"{model}: {metric} vs latency"))
+    parts.append("</div>")
+    parts.append('<h2 id="matching">Matching: recall vs latency per index</h2>')
+    if not r.curves:
+        parts.append('<p class="empty">no matching curve in this scope</p>')
+    parts.append('<div class="plots">')
+    for gallery, pts in r.curves.items():
+        plot = [{"x": p.get("p50_ms_b1"), "y": p.get("recall@1"), "label": p.get("index", "") + (
+            " (chosen)" if p.get("chosen") else ""), "color": "#1a7f37" if p.get("chosen") else "#0969da"}
+            for p in pts]
+        parts.append(scatter(plot, "x", "y", "b1 p50 latency (ms, log)", "recall@1",
+                             f"{gallery}: recall@1 vs latency", logx=True))
+    parts.append("</div>")
+    parts.append(f'<h2 id="provenance">Provenance ({len(r.manifests)} artifacts)</h2>'
+                 '<p class="sub">Each box is an artifact with a manifest; an arrow runs from an input to what was '
+                 'built from it. Red: its files or links did not verify.</p>')
+    parts.append(f'<div class="graphbox">{graph(r.manifests, r.broken)}</div>')
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write(r: Report, dest: Path) -> Path:
+    with atomic_path(Path(dest)) as tmp:
+        tmp.write_text(render(r), encoding="utf-8")
+    return Path(dest)
+
+
+__all__ = ["Report", "for_release", "for_workspace", "graph", "render", "scatter", "write"]
