@@ -551,6 +551,58 @@ def test_interleaved_promotes_and_rollbacks_keep_a_consistent_history_over_http(
     _interleave(project, {"MLFLOW_TRACKING_URI": mlflow_server})
 
 
+@pytest.fixture
+def postgres_server():
+    """The team setup: scripts/registry-server.sh — a real PostgreSQL cluster and `mlflow server` on it, proxying
+    artifacts. Its directory must be readable by the `postgres` user when run as root (pytest's tmp dirs are not)."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="kiln-registry-"))
+    os.chmod(d, 0o755)
+    t0 = time.perf_counter()
+    r = subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "start", str(d)], capture_output=True,
+                       text=True, timeout=300)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        url = r.stdout.split("MLFLOW_TRACKING_URI=")[1].split()[0]
+        print(f"\nPostgreSQL registry server up in {time.perf_counter() - t0:.1f} s: {url}")
+        yield url
+    finally:
+        subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "stop", str(d)], capture_output=True,
+                       timeout=120)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_shared_registry_on_postgresql_serves_two_checkouts(project, postgres_server, tmp_path):
+    """Two build hosts (two checkouts) and one registry on PostgreSQL: interleaved promotes and rollbacks keep one
+    consistent history; eight concurrent registers of new bytes, four from each checkout, make one version; what one
+    host promotes, the other releases, and the release verifies offline."""
+    env = {"MLFLOW_TRACKING_URI": postgres_server}
+    _interleave(project, env)                                       # v1..v3, promote/rollback racing
+    host_b = tmp_path / "host-b"
+    shutil.copytree(project, host_b, symlinks=True)
+    name = f"kiln-{ENGINE}"
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: kiln(project if i % 2 else host_b, "register", ENGINE, env=env),
+                                range(8)))
+    assert all(r.returncode == 0 for r in results), [r.stderr[-500:] for r in results]
+    assert sum("registered new version" in r.stdout for r in results) == 1
+    assert versions(postgres_server, name) == [1, 2, 3, 4]
+    r = kiln(host_b, "promote", name, "4", env=env)
+    assert r.returncode == 0, r.stderr
+    history = kiln(project, "history", name, "--alias", "production", env=env)
+    last = history.stdout.strip().splitlines()[-1]
+    assert history.returncode == 0 and "promote" in last and "v4" in last, history.stdout
+    key = tmp_path / "keys" / "k.pem"
+    assert kiln(project, "keygen", "--out", str(key)).returncode == 0
+    r = kiln(project, "release", name, "production", "--key", str(key), "--out", str(tmp_path / "rel"), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    v = kiln(tmp_path, "verify-release", str(tmp_path / "rel" / f"{name}-v4.tar.gz"), "--key", f"{key}.pub")
+    assert v.returncode == 0, v.stdout + v.stderr
+    _consistent_history(postgres_server, name)
+
+
 # ---------------------------------------------------------------------------------------------- kill -9 per stage
 @pytest.mark.parametrize("args, out", [
     (["dataset", "golden"], "artifacts/data/golden"),
