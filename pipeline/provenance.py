@@ -35,7 +35,7 @@ class Chain:
     tree: dict[str, Any]
     breaks: list[str] = field(default_factory=list)
     manifests: list[str] = field(default_factory=list)     # root-relative, every manifest the chain reached
-    broken: set[str] = field(default_factory=set)          # the manifests (root-relative) where a link broke
+    broken: set[str] = field(default_factory=set)          # manifests where a link broke (all chains walked so far)
 
     @property
     def ok(self) -> bool:
@@ -47,8 +47,7 @@ def resolve(subject: str, root: Path, cfg=None) -> Path:
     """The manifest to start from: an engine name, a manifest, any file inside an artifact, a file's sha256, or a
     registered version (`name@alias`, `name/version`: the workspace build whose identity the registry recorded)."""
     root = Path(root)
-    if "@" in subject or ("/" in subject and subject.split("/", 1)[0].startswith("kiln-")
-                          and subject.rsplit("/", 1)[1].lstrip("v").isdigit()):
+    if not Path(subject).exists() and _registry_ref(subject):
         return _registered(subject, root, cfg)
     if HEX64.fullmatch(subject.lower()):
         return _by_sha256(subject.lower(), root)
@@ -75,6 +74,15 @@ def resolve(subject: str, root: Path, cfg=None) -> Path:
     raise KilnError(f"{subject}: no such file", "pass an engine name, a file, a sha256, or NAME@ALIAS / NAME/VERSION")
 
 
+def _registry_ref(subject: str) -> bool:
+    """NAME@ALIAS, or NAME/VERSION with NAME a slug (kiln-<engine> or the engine name) and VERSION a number."""
+    if "@" in subject:
+        name, alias = subject.split("@", 1)
+        return paths.is_slug(name) and paths.is_slug(alias)
+    name, _, version = subject.partition("/")
+    return paths.is_slug(name) and version.removeprefix("v").isascii() and version.removeprefix("v").isdigit()
+
+
 def _by_sha256(sha: str, root: Path) -> Path:
     hits = []
     for m in find_manifests(Path(root) / paths.ARTIFACTS):
@@ -87,6 +95,9 @@ def _by_sha256(sha: str, root: Path) -> Path:
     if not hits:
         raise KilnError(f"sha256 {sha}: no artifact under {root / paths.ARTIFACTS} has a file with this digest",
                         "build it (dvc repro / dvc pull), or pass the file itself")
+    if len(hits) > 1:
+        raise KilnError(f"sha256 {sha}: {len(hits)} artifacts hold a file with this digest: "
+                        + ", ".join(str(h) for h in hits[:5]), "pass the manifest of the one you mean")
     return hits[0]
 
 
@@ -97,7 +108,7 @@ def _registered(subject: str, root: Path, cfg) -> Path:
 
     if cfg is None:
         raise KilnError(f"{subject}: a registry reference needs the configuration", "run from the project root")
-    name, sep, ref = subject.partition("@") if "@" in subject else subject.rpartition("/")
+    name, sep, ref = subject.partition("@") if "@" in subject else subject.partition("/")
     name = registered_name(cfg, name)
     reg = Registry(cfg, root)
     with errors(reg.uri):
@@ -108,7 +119,7 @@ def _registered(subject: str, root: Path, cfg) -> Path:
                 raise KilnError(f"{name}: no version has the alias {ref!r}",
                                 f"see the aliases with: kiln history {name}")
         else:
-            version = int(ref.lstrip("v"))
+            version = int(ref.removeprefix("v"))
         mv = reg.version(name, version)
         params = dict(reg.client.get_run(mv.run_id).data.params) if mv.run_id else {}
     ident, artifact = params.get(PARAM + "manifest_xxh3_128"), params.get(PARAM + "artifact")
@@ -160,6 +171,8 @@ class _Walker:
         self.breaks: list[str] = []
         self.manifests: list[str] = []
         self.broken: set[str] = set()
+        self.subtree_breaks: dict[str, list[str]] = {}     # breaks found under a node, re-reported where it is shared
+        self.chain_start = 0
         self._stages = _stage_outs(self.root)
         self._docs: dict[str, dict] = {}
 
@@ -174,9 +187,18 @@ class _Walker:
     def node(self, manifest: Path) -> dict[str, Any]:
         rel = self.rel(manifest)
         if rel in self.seen:
+            for b in self.subtree_breaks.get(rel, []):    # a shared broken artifact breaks this chain too
+                if b not in self.breaks[self.chain_start:]:
+                    self.breaks.append(b)
             return {"see": rel}
         self.seen.add(rel)
         self.manifests.append(rel)
+        start = len(self.breaks)
+        out = self._node(manifest, rel)
+        self.subtree_breaks[rel] = self.breaks[start:]
+        return out
+
+    def _node(self, manifest: Path, rel: str) -> dict[str, Any]:
         try:
             m = read_manifest(manifest)
         except KilnError as e:
@@ -211,7 +233,8 @@ class _Walker:
     def edge(self, ref: dict[str, Any], consumer: str) -> dict[str, Any]:
         role = ref.get("role", "input")
         named = ref.get("manifest", ref.get("path"))
-        if not isinstance(named, str) or Path(named).is_absolute() or ".." in Path(named).parts:
+        if not isinstance(named, str) or ("manifest" in ref and (Path(named).is_absolute()
+                                                                 or ".." in Path(named).parts)):
             problem = f"{consumer}: input {named!r} is not a path under the project root"
             self.breaks.append(problem)
             return {"role": role, "broken": problem}
@@ -258,6 +281,10 @@ class _Walker:
                     out["pin"] = {k: pin.get(k) for k in ("requirement", "archive", "archive_sha256", "license")}
                 if self.rel(owner) not in self.seen:         # verify the owning artifact (the assets) once
                     out["owner"] = self.node(owner)
+            elif _abs(self.root) in _abs(f).parents:           # inside the project, but no artifact lists it
+                out["broken"] = f"{rel}: input of {consumer} is not a file of any artifact's manifest (no pin)"
+            else:
+                out["local"] = True                            # a user's own folder: known by its digest only
         if "broken" in out:
             self.breaks.append(out["broken"])
             self.broken.add(self.rel(owner) if f.is_file() and (owner := _owner(_abs(f), _abs(self.root))) else rel)
@@ -315,9 +342,9 @@ def walk_many(manifests: list[Path], root: Path = Path(".")) -> list[Chain]:
     w = _Walker(Path(root))
     out = []
     for m in manifests:
-        mark = (len(w.breaks), len(w.manifests))
+        w.chain_start, first = len(w.breaks), len(w.manifests)
         tree = w.node(Path(m))
-        out.append(Chain(tree, w.breaks[mark[0]:], w.manifests[mark[1]:], set(w.broken)))
+        out.append(Chain(tree, w.breaks[w.chain_start:], w.manifests[first:], set(w.broken)))
     return out
 
 
@@ -368,7 +395,8 @@ def render(chain: Chain) -> str:
     def edge(e: dict[str, Any], pre: str) -> None:
         if "path" in e:
             pin = e.get("pin")
-            src = "no pin recorded"
+            src = "a local file outside the project, known by digest only (no package pin)" if e.get("local") \
+                else "no pin recorded"
             if pin:
                 src = pin["requirement"] if pin["requirement"] in pinned else \
                     f"{pin['requirement']} ({pin['archive']} sha256 {pin['archive_sha256']}, {pin['license']})"

@@ -209,11 +209,21 @@ def safe_extract(archive: Path, dest: Path) -> None:
             raise GateFailed(f"{archive}: archive is corrupt ({e})", "get the archive again") from None
         if len(members) > _MAX_MEMBERS or sum(m.size for m in members) > _MAX_BYTES:
             raise GateFailed(f"{archive}: too many or too large members for a release", "get the archive again")
+        names: set[str] = set()
         for m in members:
             parts = Path(m.name).parts
             if Path(m.name).is_absolute() or ".." in parts or not (m.isfile() or m.isdir()):
                 raise GateFailed(f"{archive}: member {m.name!r} is not a plain file inside the archive",
                                  "refusing to extract it; do not use this archive")
+            key = Path(m.name).as_posix()
+            if key in names:              # tar readers disagree on which copy wins: a second copy is never fine
+                raise GateFailed(f"{archive}: member {m.name!r} appears twice", "do not use this archive")
+            names.add(key)
+        files = [Path(m.name) for m in members if m.isfile()]
+        for m in members:                 # the signature covers files only: an empty directory is unsigned content
+            if m.isdir() and not any(Path(m.name) in f.parents for f in files):
+                raise GateFailed(f"{archive}: directory {m.name!r} holds no file (unsigned content)",
+                                 "do not use this archive")
         try:
             tar.extractall(dest, filter="data")
         except (tarfile.TarError, EOFError, OSError) as e:
@@ -236,8 +246,8 @@ def _portable(node: Any) -> Any:
 def _lockfiles() -> dict[str, str]:
     from pipeline.stage import REPO
 
-    return {p.relative_to(REPO).as_posix(): sha256_file(p) for p in sorted((REPO / "lockfiles").glob("*"))
-            if p.is_file()}
+    found = [*(REPO / "lockfiles").glob("*.in"), *(REPO / "lockfiles").glob("*.txt")]
+    return {p.relative_to(REPO).as_posix(): sha256_file(p) for p in sorted(found) if p.is_file()}
 
 
 def _chain_nodes(tree: dict[str, Any]) -> list[dict[str, Any]]:
@@ -260,7 +270,7 @@ def slsa_statement(release: dict[str, Any], engine_files: dict[str, str], tree: 
     from google.protobuf import json_format
     from in_toto_attestation.predicates.provenance.v1 import provenance_pb2
     from in_toto_attestation.v1.resource_descriptor import ResourceDescriptor
-    from in_toto_attestation.v1.statement import Statement
+    from in_toto_attestation.v1.statement import STATEMENT_TYPE_URI, Statement
 
     nodes = _chain_nodes(tree)
     deps: list[dict[str, Any]] = []
@@ -290,8 +300,9 @@ def slsa_statement(release: dict[str, Any], engine_files: dict[str, str], tree: 
         "buildDefinition": {
             "buildType": BUILD_TYPE,
             "externalParameters": {"registered_model": release["registered_model"], "version": release["version"],
-                                   "params": {n["stage"] or n["manifest"]: n["params"]["values"] for n in nodes}},
-            "internalParameters": {"toolchain": {n["stage"] or n["manifest"]: n["toolchain"] for n in nodes}},
+                                   "params": {n["manifest"]: {"stage": n["stage"], "values": n["params"]["values"]}
+                                              for n in nodes}},
+            "internalParameters": {"toolchain": {n["manifest"]: n["toolchain"] for n in nodes}},
             "resolvedDependencies": deps},
         "runDetails": {
             "builder": {"id": "https://kiln.invalid/builders/dvc-repro"},
@@ -305,7 +316,9 @@ def slsa_statement(release: dict[str, Any], engine_files: dict[str, str], tree: 
                 for path, sha in sorted(engine_files.items())]
     st = Statement(subjects, SLSA_PREDICATE, predicate)
     st.validate()
-    return json_format.MessageToDict(st.pb)
+    # written from the dicts, not the protobuf Struct (which turns every integer into a float)
+    return {"_type": STATEMENT_TYPE_URI, "subject": [json_format.MessageToDict(s) for s in subjects],
+            "predicateType": SLSA_PREDICATE, "predicate": predicate}
 
 
 def _resolve_version(reg, name: str, ref: str) -> int:
@@ -371,7 +384,8 @@ def build(cfg, name: str, ref: str, root: Path = Path("."), key: Path | None = N
                "verdict": v.verdict.get("verdict"),
                "gate": "stored" if v.verdict.get("verdict") == "pass" else "attached",
                "model": v.manifest.get("model"), "target": v.manifest.get("target"),
-               "precision": v.manifest.get("precision"), "chain": sorted(chain.manifests)}
+               "precision": v.manifest.get("precision"), "chain": sorted(chain.manifests),
+               "chain_root": chain.manifests[0]}
         lockfiles = _lockfiles()
         portable = _portable(chain.tree)
         engine_files = {f: e["sha256"] for e in v.manifest["files"] for f in [e["path"]]}
@@ -458,8 +472,7 @@ def verify(archive: Path, public_key: Path) -> list[str]:
     archive, public_key = Path(archive), Path(public_key)
     if not archive.is_file():
         raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
-    if not public_key.is_file():
-        raise KilnError(f"{public_key}: no such public key", "pass the publisher's .pub key (kiln keygen writes it)")
+    _load_public_key(public_key)
     done: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp:
         tmp = Path(tmp)
@@ -472,20 +485,66 @@ def verify(archive: Path, public_key: Path) -> list[str]:
                              f"{sorted(p.name for p in tmp.iterdir())}", "get the archive again")
         tree, sig = dirs[0], sigs[0]
         verify_tree(tree, sig, public_key)
+        signed_name = _signed_name(sig)
         done.append(f"signature: model-signing bundle verified with {public_key.name}; every file's sha256 matches "
-                    "the signed statement, none unsigned")
-        done += _check_content(tree)
+                    f"the signed statement (subject {signed_name!r}), none unsigned")
+        try:
+            done += _check_content(tree, signed_name)
+        except GateFailed:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError, OSError) as e:    # signed, but not Kiln's layout
+            raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: {e})",
+                             "do not use this release") from None
     return done
 
 
-def _check_content(tree: Path) -> list[str]:
+def _load_public_key(path: Path) -> None:
+    """A user error (exit 2), not a failed verification, when the key itself is missing or unusable."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        key = serialization.load_pem_public_key(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise KilnError(f"{path}: no such public key", "pass the publisher's .pub key (kiln keygen writes it)") from None
+    except (ValueError, TypeError, OSError) as e:
+        raise KilnError(f"{path}: not a PEM public key ({e})",
+                        "pass the publisher's public key (KEY.pub), not the private key") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise KilnError(f"{path}: not an EC public key", "pass the .pub written by kiln keygen")
+
+
+def _signed_name(sig: Path) -> str:
+    """The subject name inside the signed statement (model-signing: the signed directory's name)."""
+    import base64
+
+    try:
+        bundle = json.loads(sig.read_text())
+        statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+        return str(statement["subject"][0]["name"])
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise GateFailed(f"signature: unreadable statement ({e})", "get the archive again") from None
+
+
+def _safe_rel(tree: Path, rel: Any, what: str) -> Path:
+    if not isinstance(rel, str) or not rel or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise GateFailed(f"release.json: {what} {rel!r} is not a path inside the release", "do not use this release")
+    return tree / rel
+
+
+def _check_content(tree: Path, signed_name: str) -> list[str]:
     def fail(what: str, why: str) -> GateFailed:
         return GateFailed(f"{what}: {why}", "do not use this release")
 
     doc = _read_json(tree / "release.json")
-    if not doc or doc.get("schema") != SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise fail("release.json", f"missing or not schema {SCHEMA}")
-    mfile = tree / doc["manifest"]
+    expected_name = f"{doc.get('registered_model')}-v{doc.get('version')}"
+    if not (tree.name == signed_name == expected_name):     # a genuine release of something else, renamed
+        raise fail("release.json", f"this is {expected_name}, but the archive's directory is {tree.name!r} and the "
+                   f"signature's subject {signed_name!r}")
+    paths.slug(doc.get("artifact"), "released artifact")
+    mfile = _safe_rel(tree, doc.get("manifest"), "manifest")
     try:
         manifest = read_manifest(mfile)
     except KilnError as e:
@@ -499,7 +558,8 @@ def _check_content(tree: Path) -> list[str]:
 
     if artifact_digest(manifest) != doc.get("artifact_sha256"):
         raise fail(doc["manifest"], "content digest differs from the registered one in release.json")
-    done = [f"engine: {len(manifest['files'])} file(s) match {doc['manifest']} (bytes, xxh3-128, sha256)"]
+    done = [f"{doc.get('kind', 'engine')}: {doc['registered_model']} v{doc['version']}, {len(manifest['files'])} "
+            f"file(s) match {doc['manifest']} (bytes, xxh3-128, sha256)"]
     vdir = mfile.parent / "kiln"
     vfile = manifest_path(vdir, doc["artifact"])
     try:
@@ -508,23 +568,27 @@ def _check_content(tree: Path) -> list[str]:
         raise fail(f"engine/kiln/{vfile.name}", e.message) from None
     if check_files(vfile, vm) or identity_digest(vm) != doc.get("validation_manifest_xxh3_128"):
         raise fail(f"engine/kiln/{vfile.name}", "validation manifest or its files differ from the registered ones")
-    verdict = _read_json(vdir / paths.VALIDATION_FILE) or {}
-    if verdict.get("engine_manifest_xxh3_128") != ident:
+    verdict = _read_json(vdir / paths.VALIDATION_FILE)
+    if not isinstance(verdict, dict) or verdict.get("engine_manifest_xxh3_128") != ident:
         raise fail(f"engine/kiln/{paths.VALIDATION_FILE}", "the validation is about another build")
     attached = verdict.get("verdict") == "not-run" and doc.get("gate") == "attached"
     if verdict.get("verdict") != "pass" and not attached:     # built-only: a pass by a host with the runtime
         raise fail(f"engine/kiln/{paths.VALIDATION_FILE}", f"verdict is {verdict.get('verdict')!r}, not 'pass'")
-    done.append(f"validation: verdict {verdict.get('verdict')} about this exact engine"
-                + (" (a pass attached by a host with the runtime, checked at release)" if attached else ""))
+    done.append(f"validation: verdict {verdict.get('verdict')} about this exact build"
+                + (" — the pass was attached by a host with the runtime and checked at release time; it is not in "
+                   "the archive, so it cannot be re-checked offline" if attached else ""))
     chain_root = tree / "chain"
-    todo, seen = [(mfile, manifest)], set()
+    start = _safe_rel(chain_root, doc.get("chain_root"), "chain_root")
+    if not start.is_file() or identity_digest(read_manifest(start)) != ident:
+        raise fail("release.json", "chain_root is not this artifact's manifest")
+    todo, seen, pinned, local = [(mfile, manifest)], set(), set(), set()
     while todo:
         path, m = todo.pop()
         where = path.relative_to(tree).as_posix()
         for ref in m["inputs"]:
             if "manifest" in ref:
-                up = chain_root / ref["manifest"]
-                if not up.is_file() or ".." in Path(ref["manifest"]).parts:
+                up = _safe_rel(chain_root, ref["manifest"], f"{where}: input")
+                if not up.is_file():
                     raise fail(where, f"input {ref['manifest']} is not in the release's chain")
                 try:
                     um = read_manifest(up)
@@ -537,39 +601,46 @@ def _check_content(tree: Path) -> list[str]:
                     seen.add(ref["manifest"])
                     todo.append((up, um))
             elif "path" in ref:
-                seen.add(_check_pinned_file(chain_root, ref, where, fail))
-    missing = sorted(set(doc.get("chain", [])) - seen - {_chain_self(doc)})
-    if missing:
+                owner = _check_file_input(chain_root, ref, where, fail)
+                (pinned if owner else local).add(ref["path"])
+                if owner:
+                    seen.add(owner)
+    listed = set(doc.get("chain", []))
+    if missing := sorted(listed - seen - {doc["chain_root"]}):
         raise fail("release.json", f"chain lists {missing[0]}, which no manifest links to")
-    done.append(f"chain: {len(seen)} upstream manifests, every link's identity digest matches; every weight and photo "
-                "is a file of the pinned assets manifest")
-    st = _read_json(tree / "slsa-provenance.json") or {}
-    if st.get("predicateType") != SLSA_PREDICATE:
+    if unlisted := sorted(seen - listed):
+        raise fail("release.json", f"{unlisted[0]} is linked but not listed in the chain")
+    done.append(f"chain: {len(seen)} upstream manifests, every link's identity digest matches; {len(pinned)} "
+                "weight/photo file(s) are files (same sha256) of a shipped manifest with PyPI pins"
+                + (f"; {len(local)} local input file(s) are known by digest only (no package pin)" if local else ""))
+    st = _read_json(tree / "slsa-provenance.json")
+    if not isinstance(st, dict) or st.get("predicateType") != SLSA_PREDICATE:
         raise fail("slsa-provenance.json", "missing or not a SLSA Provenance v1 statement")
     subjects = {s.get("name"): (s.get("digest") or {}).get("sha256") for s in st.get("subject", [])}
     expected = {f"engine/{e['path']}": e["sha256"] for e in manifest["files"]}
     if subjects != expected:
-        raise fail("slsa-provenance.json", "its subjects are not exactly the engine's files and digests")
-    done.append(f"slsa: {len(subjects)} subject(s) = the engine files; "
+        raise fail("slsa-provenance.json", "its subjects are not exactly the released files and digests")
+    done.append(f"slsa: {len(subjects)} subject(s) = the released files; "
                 f"{len(st['predicate']['buildDefinition']['resolvedDependencies'])} resolved dependencies")
     return done
 
 
-def _chain_self(doc: dict) -> str:
-    return f"artifacts/engines/{doc['artifact']}/{doc['artifact']}.manifest.json"
-
-
-def _check_pinned_file(chain_root: Path, ref: dict, where: str, fail) -> str:
-    """A plain input (weights, photo) must be a file of a shipped manifest (the assets') with the same sha256."""
+def _check_file_input(chain_root: Path, ref: dict, where: str, fail) -> str | None:
+    """A plain input (weights, photo) must be a file, with the same sha256, of a manifest shipped in chain/ (the
+    assets', which carries the pins); returns that manifest's chain path, or None for a local file outside the
+    project (a user's photo folder), which only its digest identifies."""
     rel = Path(ref["path"])
+    if rel.is_absolute() or ".." in rel.parts:
+        return None
     for d in rel.parents:
-        for m in sorted((chain_root / d).glob("*.manifest.json")) if (chain_root / d).is_dir() else []:
+        folder = chain_root / d
+        for m in sorted(p for p in folder.glob("*.manifest.json") if p.is_file()) if folder.is_dir() else []:
             doc = read_manifest(m)
             member = rel.relative_to(d).as_posix()
-            entry = next((e for e in doc["files"] if e.get("path") == member), None)
+            entry = next((e for e in doc["files"] if isinstance(e, dict) and e.get("path") == member), None)
             if entry is not None:
                 if entry.get("sha256") != ref.get("sha256"):
-                    raise fail(where, f"input {ref['path']} has sha256 {ref.get('sha256')}, the pinned "
+                    raise fail(where, f"input {ref['path']} has sha256 {ref.get('sha256')}, the shipped "
                                f"{m.relative_to(chain_root).as_posix()} says {entry.get('sha256')}")
                 return m.relative_to(chain_root).as_posix()
     raise fail(where, f"input file {ref['path']} is not a file of any manifest in the chain")

@@ -63,6 +63,11 @@ def for_workspace(cfg, root: Path = Path(".")) -> Report:
         except KilnError:
             continue
     broken = set().union(*(c.broken for c in chains)) if chains else set()
+    for m in sorted(broken - manifests.keys()):     # a changed input is not walked past: still draw it, red
+        try:
+            manifests[m] = read_manifest(root / m)
+        except KilnError:
+            continue
     notes = [f"{len(built)} of {len(cfg.engines)} configured engines built; "
              + ("every provenance link verified" if not broken else f"{len(broken)} artifact(s) failed verification")]
     return Report("Kiln build report", f"workspace {root.resolve().name}: {len(rows)} engines, "
@@ -78,10 +83,14 @@ def for_release(cfg, tree: Path) -> Report:
     verdict = _read(tree / "engine" / "kiln" / paths.VALIDATION_FILE) or {}
     bench = (_read(tree / "engine" / "kiln" / paths.BENCH_FILE) or {}).get("metrics") or {}
     model = manifest.get("model")
-    try:
-        metric, label = ACCURACY[cfg.model(model).samples]
-    except Exception:  # noqa: BLE001 — a model this params.yaml no longer has: show the verdict's first metric
-        metric, label = next(iter((verdict.get("metrics") or {"accuracy": None}).keys())), "accuracy"
+    if doc.get("kind") == "index":
+        metric, label = "recall@1", "recall@1"
+    else:
+        try:
+            metric, label = ACCURACY[cfg.model(model).samples]
+        except Exception:  # noqa: BLE001 — a model this params.yaml no longer has: the verdict's first metric
+            metric = next(iter(verdict.get("metrics") or {"accuracy": None}))
+            label = metric
     audit = (manifest.get("results") or {}).get("audit") or {}
     row = {"model": model, "target": manifest.get("target"), "precision": manifest.get("precision"),
            "recipe": (manifest.get("build") or {}).get("recipe"), "engine": doc["artifact"],
@@ -111,6 +120,10 @@ def _e(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], int]:
     """Round tick values in [lo, hi] and the decimals that tell them apart."""
     if hi <= lo:
@@ -128,8 +141,7 @@ def _ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], int]:
 def scatter(points: list[dict[str, Any]], x: str, y: str, xlabel: str, ylabel: str, title: str,
             logx: bool = False) -> str:
     """A small SVG scatter plot of points {x, y, label, color}; `logx`: a log10 x axis with decade ticks."""
-    pts = [p for p in points if isinstance(p.get(x), (int, float)) and isinstance(p.get(y), (int, float))
-           and (not logx or p[x] > 0)]
+    pts = [p for p in points if _finite(p.get(x)) and _finite(p.get(y)) and (not logx or p[x] > 0)]
     if logx:
         pts = [{**p, "_x": p[x], x: math.log10(p[x])} for p in pts]
     w, h, ml, mr, mt, mb = 600, 300, 80, 110, 30, 45
@@ -236,7 +248,11 @@ svg .node{stroke:#57606a}svg .nl{font-size:11px}.plots{display:flex;flex-wrap:wr
 
 
 def _f(v: Any, fmt: str) -> str:
-    return "–" if v is None else format(v, fmt)
+    if v is None:
+        return "–"
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return format(v, fmt) if math.isfinite(v) or "d" not in fmt else str(v)
+    return str(v)
 
 
 def render(r: Report) -> str:
@@ -255,7 +271,7 @@ def render(r: Report) -> str:
                      + "".join(f'<th class="{"l" if i < 2 else ""}">{_e(h)}</th>' for i, h in enumerate(head))
                      + "</tr>")
         for x in rows:
-            prec = x["precision"] + (f" ({x['recipe']})" if x.get("recipe") else "")
+            prec = f"{x.get('precision')}" + (f" ({x['recipe']})" if x.get("recipe") else "")
             cells = [x["target"], prec, _f(x.get("b1_p50_ms"), ".3f"), _f(x.get("b1_p99_ms"), ".3f"),
                      _f(x.get("b8_p50_ms"), ".3f"), _f(x.get("b8_p99_ms"), ".3f"),
                      _f(x.get("b1_speedup_vs_eager"), ".2f"), _f(x.get("b8_speedup_vs_eager"), ".2f"),
@@ -267,7 +283,7 @@ def render(r: Report) -> str:
         parts.append("</table>")
     parts.append('<h2 id="accuracy-latency">Accuracy vs latency (batch 1, p50)</h2><div class="plots">')
     for model in models:
-        pts = [{"x": x.get("b1_p50_ms"), "y": x.get("accuracy"), "label": f"{x['target']}/{x['precision']}",
+        pts = [{"x": x.get("b1_p50_ms"), "y": x.get("accuracy"), "label": f"{x.get('target')}/{x.get('precision')}",
                 "color": VERDICT_COLOR.get(x["verdict"], "#6e7781")} for x in r.rows if x["model"] == model]
         metric = next(x["accuracy_metric"] for x in r.rows if x["model"] == model)
         parts.append(scatter(pts, "x", "y", "b1 p50 latency (ms)", metric, f"{model}: {metric} vs latency"))

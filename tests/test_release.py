@@ -96,6 +96,7 @@ def test_release_is_deterministic_signed_recorded_and_verifies_offline(cfg, root
     assert slsa["predicateType"] == "https://slsa.dev/provenance/v1"
     assert {s["name"] for s in slsa["subject"]} == {"engine/model.onnx", "engine/io.json"}
     assert slsa["predicate"]["runDetails"]["byproducts"][0]["annotations"]["verdict"] == "pass"
+    assert slsa["predicate"]["buildDefinition"]["externalParameters"]["version"] == 1        # an int, not 1.0
 
     # recorded in MLflow: a tag on the version, a `release` move in the history, the archive as an artifact
     from mlflow import MlflowClient
@@ -261,6 +262,13 @@ def test_provenance_walks_pins_and_stops_at_a_broken_link(cfg, tmp_path, capsys,
     assert not chain.ok and chain.breaks[0].startswith("artifacts/assets/w.dat: changed since embedder was built")
     with pytest.raises(KilnError, match="no such file"):
         provenance.resolve("nope/missing.onnx", proj)
+    assert provenance._registry_ref(f"{INT8}/3") and provenance._registry_ref(f"kiln-{INT8}@production")
+    assert not provenance._registry_ref("a/b/c") and not provenance._registry_ref("x/2.5")
+    at = proj / "ws@2"                                                  # an existing path with '@' is a path
+    at.mkdir()
+    (at / "f.bin").write_bytes(b"int8")
+    with pytest.raises(KilnError, match="no manifest in its directory or above lists this file"):
+        provenance.resolve(str(at / "f.bin"), proj)
     (assets / "w.dat").write_bytes(b"weights")
     sneaky = proj / "artifacts" / "engines" / "sneaky"                   # an input that points out of the project
     sneaky.mkdir()
@@ -284,3 +292,75 @@ def test_all_production_releases_every_model_in_production(cfg, root, keys, tmp_
     assert [(r.name, r.version, r.new) for r in made] == [(f"kiln-{FP32}", 1, True), (f"kiln-{INT8}", 1, True)]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"kiln-{FP32}-v1.tar.gz", f"kiln-{INT8}-v1.tar.gz"]
     assert all(release.verify(r.archive, keys[1]) for r in made)
+
+
+def _extracted(archive: Path, dest: Path) -> tuple[Path, Path]:
+    dest.mkdir()
+    release.safe_extract(archive, dest)
+    top = archive.name.removesuffix(".tar.gz")
+    return dest / top, dest / f"{top}{release.SIG_SUFFIX}"
+
+
+def test_a_genuine_release_renamed_or_padded_is_refused(cfg, root, keys, tmp_path):  # noqa: F811
+    """Found by review: a real signed release passed off under another name, a duplicate member that other tar
+    readers would pick, an unsigned empty directory, a signed release.json pointing outside the tree."""
+    r = released(cfg, root, keys)
+    top = r.archive.name.removesuffix(".tar.gz")
+    renamed = tmp_path / "renamed.tar.gz"
+    with tarfile.open(r.archive, "r:gz") as src, tarfile.open(renamed, "w:gz") as dst:
+        for m in src.getmembers():
+            data = src.extractfile(m).read() if m.isfile() else None
+            m.name = m.name.replace(top, "kiln-other-v9", 1)
+            dst.addfile(m, io.BytesIO(data) if data is not None else None)
+    with pytest.raises(GateFailed, match="this is kiln-embedder-ort-cpu-int8-v1, but the archive's directory is "
+                                         "'kiln-other-v9'"):
+        release.verify(renamed, keys[1])
+
+    def add_member(name: str, data: bytes | None, first: bool) -> Path:
+        out = tmp_path / f"extra-{len(list(tmp_path.iterdir()))}.tar.gz"
+        with tarfile.open(r.archive, "r:gz") as src, tarfile.open(out, "w:gz") as dst:
+            extra = tarfile.TarInfo(name)
+            if data is None:
+                extra.type = tarfile.DIRTYPE
+            else:
+                extra.size = len(data)
+            members = [(m, src.extractfile(m).read() if m.isfile() else None) for m in src.getmembers()]
+            for m, d in ([(extra, data)] + members) if first else (members + [(extra, data)]):
+                dst.addfile(m, io.BytesIO(d) if d is not None else None)
+        return out
+
+    with pytest.raises(GateFailed, match="appears twice"):
+        release.verify(add_member(f"{top}/engine/model.onnx", b"EVIL engine", first=True), keys[1])
+    with pytest.raises(GateFailed, match="holds no file"):
+        release.verify(add_member(f"{top}/chain/x.manifest.json", None, first=False), keys[1])
+
+    tree, sig = _extracted(r.archive, tmp_path / "x")                # a (buggy) publisher signs a bad release.json
+    doc = json.loads((tree / "release.json").read_text())
+    (tree / "release.json").write_text(json.dumps({**doc, "manifest": "../../../etc/hostname"}))
+    release.sign_tree(tree, sig, keys[0])
+    bad = tmp_path / "bad.tar.gz"
+    release.write_archive(bad, tree.parent, [tree.name, sig.name])
+    with pytest.raises(GateFailed, match="is not a path inside the release"):
+        release.verify(bad, keys[1])
+    del doc["artifact_sha256"], doc["chain_root"]
+    (tree / "release.json").write_text(json.dumps(doc))
+    release.sign_tree(tree, sig, keys[0])
+    release.write_archive(bad, tree.parent, [tree.name, sig.name])
+    with pytest.raises(GateFailed):
+        release.verify(bad, keys[1])
+    with pytest.raises(KilnError, match="not a PEM public key") as e:             # the private key by mistake
+        release.verify(r.archive, keys[0])
+    assert not isinstance(e.value, GateFailed)                                   # a user error: exit 2
+
+
+def test_a_gallery_index_releases_and_verifies(cfg, root, keys, tmp_path):  # noqa: F811
+    from pipeline.stages import register_index
+    from test_registry import make_index
+
+    size = cfg.matching.gallery_sizes[0]
+    make_index(root, size, b"faiss-bytes")
+    receipt = register_index.run_index(cfg, size, root)
+    registry.promote(cfg, receipt.name, receipt.version, root)
+    r = release.build(cfg, receipt.name, "production", root, key=keys[0], out_dir=tmp_path)
+    checked = release.verify(r.archive, keys[1])
+    assert checked[1].startswith(f"index: kiln-gallery-{size} v1, 1 file(s) match"), checked
