@@ -214,6 +214,17 @@ def cmd_report(args) -> int:
     return 1 if r.broken else 0
 
 
+def cmd_plan(args) -> int:
+    import dataclasses
+    import json
+
+    from pipeline import plan
+
+    rows = plan.plan(_cfg(args), Path("."), remote=not args.no_remote)
+    print(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) if args.json else plan.render(rows))
+    return 0
+
+
 def cmd_rebuild_check(args) -> int:
     from pipeline import rebuild
 
@@ -357,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
             "accuracy, verdict and fallbacks; plots; matching curves; the verified provenance graph (exit 1 if a "
             "link is broken)")
     p.add_argument("--out", default="artifacts/reports/report.html", help="where to write it")
+    p = add("plan", cmd_plan, "per engine: its hardware family (CI matrix job), whether this host can build it, and "
+            "whether the shared DVC remote already has its current build")
+    p.add_argument("--no-remote", action="store_true", help="plan against dvc.lock and this host only")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p = add("rebuild-check", cmd_rebuild_check, "rebuild one stage in a fresh process in a scratch project and "
             "classify the result: bit-identical, numerically equivalent, task-equivalent (exit 1 if below the "
             "target's claim)")

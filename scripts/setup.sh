@@ -2,7 +2,8 @@
 # Create .venv and install Kiln from the hash-locked requirements. Idempotent: a second run is a no-op check.
 # Usage: bash scripts/setup.sh [--test] [--profile rtx]
 #   --test          adds the test-only lock (pytest, dlib-bin), every profile lock the tests build with (rtx) and,
-#                   if missing, Debian's chromium and postgresql (report and shared-registry tests; root or sudo)
+#                   if missing, Debian's chromium, postgresql, openssh-server (report, shared registry and remote
+#                   tests; root or sudo)
 #   --profile rtx   adds lockfiles/rtx.txt: the TensorRT-RTX wheels the tensorrt-rtx target builds with (profiles/rtx.yaml)
 #        bash scripts/setup.sh --torch-source   (print where the pinned torch wheel would come from, then exit)
 set -euo pipefail
@@ -39,12 +40,13 @@ pipi $(torch_source) --require-hashes --no-deps -r lockfiles/main.txt
 if [ "$TEST" = 1 ]; then pipi --require-hashes --no-deps -r lockfiles/test.txt; fi
 for p in $(printf '%s\n' "${PROFILES[@]}" | sort -u); do pipi --require-hashes --no-deps -r "lockfiles/$p.txt"; done
 pipi --no-deps --no-build-isolation -e .
-# Debian packages the tests use, installed here if missing: chromium (the HTML report is rendered in it) and
-# postgresql (the shared-registry test runs scripts/registry-server.sh).
+# Debian packages the tests use, installed here if missing: chromium (the HTML report is rendered in it),
+# postgresql (the shared-registry test runs scripts/registry-server.sh), openssh-server (scripts/remote-server.sh).
 if [ "$TEST" = 1 ]; then
   DEBS=()
   command -v chromium >/dev/null || DEBS+=(chromium)
   compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || DEBS+=(postgresql)
+  [ -x /usr/sbin/sshd ] || DEBS+=(openssh-server)
   if [ ${#DEBS[@]} -gt 0 ]; then
     SUDO=(); [ "$(id -u)" = 0 ] || SUDO=(sudo -n)
     { "${SUDO[@]}" apt-get update -qq && DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq \

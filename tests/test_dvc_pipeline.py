@@ -79,13 +79,13 @@ def _env(root: Path) -> dict[str, str]:
     return env
 
 
-def dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=root, env=_env(root),
-                          capture_output=True, text=True)
+def dvc(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=root,
+                          env={**_env(root), **(env or {})}, capture_output=True, text=True)
 
 
-def kiln(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=root, env=_env(root),
+def kiln(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=root, env={**_env(root), **(env or {})},
                           capture_output=True, text=True)
 
 
@@ -323,6 +323,79 @@ def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo)
     assert all(f"<h3>{m}</h3>" in dom for m in models) and "gallery-10000: recall@1 vs latency" in dom
     assert dom.count('class="node"') >= len(engines) + 10 and "#ffcecb" not in dom     # nothing drawn broken
     assert 'class="l v-pass"' in dom
+
+
+@pytest.mark.slow
+def test_a_second_host_gets_the_build_from_an_ssh_remote_and_rebuilds_nothing(repo, tmp_path):
+    """Host A (the built copy) pushes its cache and run cache to a real OpenSSH server on loopback
+    (scripts/remote-server.sh). Host B, a checkout with A's dvc.lock, pulls and reruns nothing but the toolchain
+    probe. Host C, a checkout with no dvc.lock at all, gets the INT8 engine by `dvc repro --pull`: every stage up to
+    it is restored from the shared run cache (same deps, params and toolchain keys), none is run."""
+    server = tmp_path / "remote"
+    r = subprocess.run(["bash", str(REPO / "scripts/remote-server.sh"), "start", str(server)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    home = tmp_path / "home"                    # the hosts' ~/.ssh/known_hosts holds the server's host key
+    (home / ".ssh").mkdir(parents=True)
+    shutil.copy(server / "known_hosts", home / ".ssh" / "known_hosts")
+    env = {"HOME": str(home)}
+    setup = [line.split() for line in r.stdout.splitlines() if line.startswith("dvc ")]
+
+    def connect(root: Path) -> None:
+        for cmd in setup:
+            assert dvc(root, *cmd[1:], env=env).returncode == 0, cmd
+
+    config = (repo / ".dvc/config").read_bytes()
+    try:
+        connect(repo)
+        engines = yaml.safe_load((repo / "params.yaml").read_text())["engines"]
+        before = kiln(repo, "plan", env=env)
+        assert before.returncode == 0, before.stdout + before.stderr
+        assert before.stdout.count("| not pushed ") == len(engines), before.stdout
+        t0 = time.perf_counter()
+        push = dvc(repo, "push", "--run-cache", env=env)
+        assert push.returncode == 0, push.stdout[-2000:] + push.stderr[-2000:]
+        t_push = time.perf_counter() - t0
+        after = kiln(repo, "plan", env=env)
+        assert after.stdout.count("| in remote ") == len(engines), after.stdout
+        assert f"cpu-x86: 0 to build, {len(engines)} in the remote" in after.stdout, after.stdout
+        hosts = {}
+        for name, lock in (("B", True), ("C", False)):
+            h = tmp_path / f"host-{name}"
+            subprocess.run(["git", "clone", "-q", str(repo), str(h)], check=True)
+            for f in ("params.yaml", "dvc.yaml", "toolchain/dvc.yaml") + (("dvc.lock", "toolchain/dvc.lock")
+                                                                          if lock else ()):
+                shutil.copy(repo / f, h / f)        # the copy's working state: one gallery size, derived DAG
+            connect(h)
+            hosts[name] = h
+        t0 = time.perf_counter()
+        pull = dvc(hosts["B"], "pull", env=env)                 # uncached outputs (timings) are not in any remote
+        b = dvc(hosts["B"], "repro", "--allow-missing", env=env)
+        t_b = time.perf_counter() - t0
+        assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
+        assert ran(b.stdout) == {TOOLCHAIN}, b.stdout
+        engine = "artifacts/engines/embedder-ort-cpu-int8/model.onnx"
+        assert (hosts["B"] / engine).read_bytes() == (repo / engine).read_bytes(), pull.stdout[-2000:]
+        assert kiln(hosts["B"], "verify", "artifacts/engines").returncode == 0
+        t0 = time.perf_counter()
+        c = dvc(hosts["C"], "repro", "--pull", "compile@embedder-ort-cpu-int8", env=env)
+        t_c = time.perf_counter() - t0
+        assert c.returncode == 0, c.stdout[-2000:] + c.stderr[-2000:]
+        restored = {line.split("'")[1] for line in c.stdout.splitlines() if "is cached - skipping run" in line}
+        assert ran(c.stdout) == {TOOLCHAIN}, c.stdout
+        assert {"assets", "export@embedder", "calibrate@embedder", "quantize@embedder-ort",
+                "compile@embedder-ort-cpu-int8"} <= restored, c.stdout
+        assert (hosts["C"] / engine).read_bytes() == (repo / engine).read_bytes()
+        fresh = kiln(hosts["C"], "plan", env=env)     # C's lock holds only what it restored: the rest is to build
+        assert fresh.returncode == 0 and fresh.stdout.count("| to build ") == len(engines) - 1, fresh.stdout
+        assert re.search(r"\| embedder-ort-cpu-int8 +\| ort-cpu +\| yes +\| in remote", fresh.stdout), fresh.stdout
+        print(f"\nhost A pushed in {t_push:.1f} s; host B ran {len(ran(b.stdout))} stage(s) after pull+repro "
+              f"({t_b:.1f} s); host C ran {len(ran(c.stdout))} and restored {len(restored)} from the run cache "
+              f"({t_c:.1f} s)")
+    finally:                                    # the copy's DVC config as it was: later tests run dvc there
+        (repo / ".dvc/config").write_bytes(config)
+        (repo / ".dvc/config.local").unlink(missing_ok=True)
+        subprocess.run(["bash", str(REPO / "scripts/remote-server.sh"), "stop", str(server)], capture_output=True)
 
 
 @pytest.mark.slow
