@@ -476,6 +476,37 @@ def test_eight_registers_of_one_engine_on_sqlite_make_one_version(registry_root)
     assert versions(env["MLFLOW_TRACKING_URI"], f"kiln-{ENGINE}") == [1]
 
 
+def test_a_lock_released_while_it_is_asked_for_is_taken_not_an_error(registry_root, monkeypatch):
+    """[concurrency] MLflow's SQL store answers a duplicate `create` by reading the existing model back; a holder
+    that released in between made that read "not found", and one of eight registers failed (CI, 2026-12-01). The
+    interleaving is forced here: the holder's lock is deleted between the refused insert and the read."""
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore
+
+    from pipeline import config
+    from pipeline.registry.client import LOCK_SUFFIX, Registry
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry_root[1]["MLFLOW_TRACKING_URI"])
+    reg = Registry(config.load(REPO / "params.yaml"), registry_root[0])
+    name = f"kiln-{ENGINE}"
+    lock = name + LOCK_SUFFIX
+    holder = {"kind": "kiln-lock", "host": socket.gethostname(), "pid": str(os.getpid()), "token": "holder",
+              "expires": str(time.time() + 60)}
+    reg.client.create_registered_model(lock, tags=holder)            # a live holder on this host
+    read = SqlAlchemyStore.get_registered_model
+    released = []
+
+    def holder_releases_first(store, model_name):
+        if model_name == lock and not released:
+            released.append(True)
+            store.delete_registered_model(lock)
+        return read(store, model_name)
+
+    monkeypatch.setattr(SqlAlchemyStore, "get_registered_model", holder_releases_first)
+    with reg.lock(name, wait_s=10):
+        assert released and reg.client.get_registered_model(lock).tags["token"] != "holder"
+    assert not [m.name for m in reg.client.search_registered_models() if m.name == lock]
+
+
 @pytest.mark.slow
 def test_eight_registers_of_one_engine_over_http_make_one_version(project, server):
     env = {"MLFLOW_TRACKING_URI": server}

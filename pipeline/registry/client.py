@@ -282,7 +282,9 @@ class Registry:
                                                     description=f"kiln lease lock on {name}")
                 break
             except MlflowException as e:
-                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                # Taken: RESOURCE_ALREADY_EXISTS. MLflow's SQL store answers a duplicate by reading the existing
+                # model back, so a holder releasing in between makes it RESOURCE_DOES_NOT_EXIST: free, try again.
+                if e.error_code not in ("RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"):
                     raise
             holder = self._lock_holder(lock_name)
             if holder is not None and self._is_stale(holder):
