@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zipfile
 
 import numpy as np
@@ -16,6 +18,7 @@ from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
 from pipeline.stages import fingerprint, program, validate
 from pipeline.targets.aoti import BUILD_ROOT, PACKAGE_FILE
+from conftest import REPO
 from conftest import write_params as _write
 
 ENGINE = "embedder-aoti-cpu-fp32"
@@ -102,6 +105,18 @@ def test_compiled_package_loads_matches_golden_and_verifies(program_dir, built, 
     assert v.passed, v.failures
     assert v.metrics["cosine_min"] > 0.99999 and v.metrics["l2_max"] < 1e-3
     assert json.loads((engine / "options.json").read_text())["threads"] == 2
+
+    # cold start: the runner opens the package with the C++ loader alone — no torch._inductor import (≈ 1 s) —
+    # and its outputs are bit-identical to torch's own aoti_load_package wrapper
+    probe = (f"import sys, numpy as np; from pipeline import engines; "
+             f"r = engines.load('aoti-cpu', {str(engine)!r}); x = np.random.default_rng(0).random((3, 3, 150, 150), "
+             f"np.float32) * 255; y = r.run(x); assert 'torch._inductor' not in sys.modules, 'inductor imported'; "
+             f"import torch; w = torch._inductor.aoti_load_package({str(engine / PACKAGE_FILE)!r}); "
+             f"o = w(torch.from_numpy(x)); o = o if isinstance(o, torch.Tensor) else o[0]; "
+             f"print(o.shape == y.shape, float(np.abs(o.numpy() - y).max()))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "0.0"], out.stdout
 
 
 # ---------------------------------------------------------------------------------------------- config
