@@ -142,6 +142,9 @@ class Recipe:
     per_channel: StrictBool
     symmetric_activations: StrictBool
     bias_float: StrictBool      # leave biases in float (TensorRT form) instead of int32
+    # 7-bit weights: x86 CPUs without VNNI (AVX2, AVX-512 before VNNI) multiply u8 x s8 pairs into a saturating
+    # int16 (vpmaddubsw); full-range weights then overflow it (embedder golden cosine min 0.974 on a Zen 3)
+    reduce_range: StrictBool = False
     name: StrictStr = ""
     models: tuple[Slug, ...] | None = None   # the quantize.models it applies to (default: all of them)
     # mixed precision: nodes of the pre-processed graph left in float (their names: `kiln compare`,

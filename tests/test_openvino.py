@@ -15,23 +15,43 @@ from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
 from pipeline.stages import fingerprint, validate
 from pipeline.targets.openvino import CONFIG_FILE, XML_FILE, OpenVinoCpu, _reason
+from conftest import REPO
 from conftest import write_params as _write
 
 BF16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+BF16_ENGINE = "embedder-openvino-cpu-bf16"            # profiles/bf16.yaml
 
 
 @pytest.fixture(scope="module")
-def engines(built, cfg):
+def cfg16(tmp_path_factory):
+    """params.yaml with the bf16 profile merged (its engine is opt-in: only CPUs with bf16 build it)."""
+    from pipeline import profiles
+
+    overlay = profiles.load("bf16", REPO)
+    return config.load(_write(tmp_path_factory.mktemp("bf16"), lambda raw: profiles.merge(raw, overlay)))
+
+
+@pytest.fixture(scope="module")
+def engines(built, cfg16):
     """The embedder's openvino-cpu engines, built by the compile stage (INT8 from the real `ort-float-fc` recipe)."""
     from pipeline.stages import calibrate, quantize
 
-    fingerprint.run(cfg, built)
+    fingerprint.run(cfg16, built)
     if not (paths.calibration("embedder", built) / "ranges.json").is_file():
-        calibrate.run(cfg, "embedder", built, progress=lambda _: None)
+        calibrate.run(cfg16, "embedder", built, progress=lambda _: None)
     if not (paths.quantized("embedder", "ort-float-fc", built) / "embedder-ort-float-fc.manifest.json").is_file():
-        quantize.run(cfg, "embedder", "ort-float-fc", built)
-    names = ["embedder-openvino-cpu-fp32", "embedder-openvino-cpu-int8"] + (["embedder-openvino-cpu-bf16"] * BF16)
-    return {n: compile_stage.run(cfg, n, built) for n in names}
+        quantize.run(cfg16, "embedder", "ort-float-fc", built)
+    names = ["embedder-openvino-cpu-fp32", "embedder-openvino-cpu-int8"] + ([BF16_ENGINE] * BF16)
+    return {n: compile_stage.run(cfg16, n, built) for n in names}
+
+
+def test_bf16_on_a_cpu_without_it_is_refused_in_one_line(built, cfg16):
+    if BF16:
+        pytest.skip("this CPU has bf16: the engine builds (tests below); the refusal runs on AVX2-only CPUs")
+    with pytest.raises(KilnError, match="no bf16 support") as e:
+        compile_stage.run(cfg16, BF16_ENGINE, built)
+    assert "profile" in e.value.hint or "drop the bf16 engine" in e.value.hint
+    assert not paths.engine(BF16_ENGINE, built).exists()
 
 
 def test_probe_records_version_plugin_capabilities_and_devices(built, cfg):
@@ -95,11 +115,11 @@ def test_audit_catches_float_layers_in_an_int8_engine(engines, built):
 @pytest.mark.parametrize("name, cos_min", [("embedder-openvino-cpu-fp32", 0.99999),
                                            ("embedder-openvino-cpu-int8", 0.9995),
                                            ("embedder-openvino-cpu-bf16", 0.9995)])
-def test_engines_pass_the_face_task_gate(engines, built, cfg, name, cos_min):
+def test_engines_pass_the_face_task_gate(engines, built, cfg16, name, cos_min):
     if name not in engines:
-        pytest.skip(f"{name}: this CPU has no BF16 in OPTIMIZATION_CAPABILITIES, so the target refuses to build it; "
-                    "runs on any CPU with AVX512-BF16 or AMX (this project's dev and CI machines have it)")
-    v = validate.run(cfg, name, built)
+        pytest.skip(f"{name}: this CPU has no BF16 in OPTIMIZATION_CAPABILITIES, so the target refuses to build it "
+                    "(tested above); runs on any CPU with AVX512-BF16 or AMX")
+    v = validate.run(cfg16, name, built)
     assert v.verdict == "pass", v.failures
     assert v.metrics["cosine_min"] >= cos_min, v.metrics
 

@@ -132,7 +132,7 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
     # QDQQuantizer is what quantize_static drives after calibrating; ORT has no public entry point that takes
     # precomputed ranges. Keyword arguments, ORT pinned in the lock, and tests/test_calibrate_quantize.py fails
     # loudly if the signature changes.
-    quantizer = QDQQuantizer(model=model, per_channel=opts["per_channel"], reduce_range=False,
+    quantizer = QDQQuantizer(model=model, per_channel=opts["per_channel"], reduce_range=recipe.reduce_range,
                              weight_qType=opts["weight_type"], activation_qType=opts["activation_type"],
                              tensors_range=tensors_data(ranges), nodes_to_quantize=None,
                              nodes_to_exclude=list(recipe.float_nodes) or None,
@@ -265,7 +265,7 @@ def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> Quant
         from onnxruntime import __version__ as ort_version
 
         opts = recipe_options(recipe)
-        build = {"recipe": asdict(recipe), "onnxruntime": ort_version, "format": "QDQ", "reduce_range": False,
+        build = {"recipe": asdict(recipe), "onnxruntime": ort_version, "format": "QDQ", "reduce_range": recipe.reduce_range,
                  "weight_type": opts["weight_type"].name, "activation_type": opts["activation_type"].name,
                  "extra_options": opts["extra_options"], "op_types": quantizable_op_types(),
                  "preprocess": PREPROCESS, "calibration_method": doc.get("method")}
