@@ -83,11 +83,35 @@ def test_nms_hand_made_case():
     assert M.nms(np.zeros((0, 4)), np.zeros(0), 0.5).size == 0
 
 
-def test_area_resize_matches_torch_area_interpolation():
-    img = np.random.default_rng(0).integers(0, 256, (57, 83, 3)).astype(np.uint8)
-    ours = M._area_resize(M._integral(img), [0], [57], [0], [83], 13, 29)[0]
-    ref = torch.nn.functional.interpolate(torch.from_numpy(img).permute(2, 0, 1)[None].float(), (13, 29), mode="area")
-    np.testing.assert_allclose(ours, ref[0].permute(1, 2, 0).numpy(), atol=1e-3)
+def _torch_area(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    t = torch.from_numpy(img).permute(2, 0, 1)[None].double()
+    return torch.nn.functional.interpolate(t, (out_h, out_w), mode="area")[0].permute(1, 2, 0).float().numpy()
+
+
+@pytest.mark.parametrize("shape, out", [((57, 83, 3), (13, 29)), ((900, 716, 3), (271, 216)), ((40, 31, 3), (40, 31)),
+                                        ((20, 17, 3), (47, 33)), ((1000, 31, 3), (12, 12))])
+def test_area_resampling_is_torch_area_interpolation_bit_for_bit(shape, out):
+    """The integral image (OpenCV), a pyramid level (rows, then columns) and a crop (four corners per cell) give
+    exactly torch's area interpolation — what facenet-pytorch runs — up- and downsampling alike."""
+    img = np.random.default_rng(shape[0]).integers(0, 256, shape).astype(np.uint8)
+    s = M._integral(img)
+    exact = np.zeros((shape[0] + 1, shape[1] + 1, 3), np.int64)
+    exact[1:, 1:] = img.astype(np.int64).cumsum(0).cumsum(1)
+    assert np.array_equal(s, exact)
+    ref = _torch_area(img, *out)
+    assert np.array_equal(M._resize_image(s, *out)[0], ref)
+    assert np.array_equal(M._area_resize(s, [0], [shape[0]], [0], [shape[1]], *out)[0], ref)
+
+
+def test_crops_that_leave_the_photo_are_zero_padded():
+    img = np.random.default_rng(7).integers(0, 256, (60, 50, 3)).astype(np.uint8)
+    padded = np.zeros((60 + 40, 50 + 40, 3), np.uint8)
+    padded[20:80, 20:70] = img
+    s = M._integral(img)
+    boxes = [(-10, 30, -15, 20), (40, 75, 30, 61), (-20, 80, -20, 70), (5, 17, 9, 40)]    # y0, y1, x0, x1
+    crops = M._area_resize(s, *(np.array(v) for v in zip(*boxes)), 24, 24)
+    for (y0, y1, x0, x1), crop in zip(boxes, crops):
+        assert np.array_equal(crop, _torch_area(padded[y0 + 20:y1 + 20, x0 + 20:x1 + 20], 24, 24)), (y0, x0)
 
 
 def test_pyramid_and_empty_image(nets):

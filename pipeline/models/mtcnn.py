@@ -13,7 +13,8 @@ Net outputs, in this order (same as facenet-pytorch):
 
 Resizing (pyramid levels and R/O-Net crops) is "area" resampling, bit-for-bit the binning of torch's
 ``F.interpolate(mode="area")`` (= adaptive average pooling) that facenet-pytorch uses, computed here
-from one integral image per photo. Crops that stick out of the photo are zero-padded (original MTCNN);
+from one integral image per photo (OpenCV's ``cv2.integral``: exact integers, ~40x numpy's cumsum): a pyramid
+level gathers whole rows of it and then columns; crops gather the four corners of every output cell at once. Crops that stick out of the photo are zero-padded (original MTCNN);
 facenet-pytorch clamps them to the photo instead. Box arithmetic otherwise follows facenet-pytorch.
 """
 
@@ -176,27 +177,52 @@ def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "un
 
 
 def _integral(rgb: np.ndarray) -> np.ndarray:
-    # Exact integer sums (int32 while they fit: ~2x faster than float64 on a 1 Mpx photo, same values).
-    dtype = np.int32 if rgb.shape[0] * rgb.shape[1] * 255 < 2**31 else np.int64
-    s = np.zeros((rgb.shape[0] + 1, rgb.shape[1] + 1, rgb.shape[2]), dtype=dtype)
-    s[1:, 1:] = rgb.cumsum(0, dtype=dtype).cumsum(1, dtype=dtype)
-    return s
+    """(H+1, W+1, C) exact integer sums with a zero first row and column: OpenCV's integral image (int32 while the
+    total fits, else float64, which is exact up to 2**53), ~40x numpy's cumsum on a 1 Mpx photo, same values."""
+    import cv2
+
+    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
+    fits = rgb.shape[0] * rgb.shape[1] * 255 < 2**31
+    return cv2.integral(rgb, sdepth=cv2.CV_32S if fits else cv2.CV_64F)
+
+
+def _bins(lo: np.ndarray, hi: np.ndarray, out: int) -> tuple[np.ndarray, np.ndarray]:
+    """torch's adaptive-pooling bins of [lo, hi) into `out` cells: rows [floor(k*n/out), ceil((k+1)*n/out))."""
+    n, k = (hi - lo)[:, None], np.arange(out)[None]
+    return lo[:, None] + k * n // out, lo[:, None] - (-(k + 1) * n // out)
+
+
+def _resize_image(s: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """The whole photo area-resampled to (1, out_h, out_w, C) float32 from its integral image: whole rows are
+    gathered first (row copies), then the columns of the much smaller row-bin differences."""
+    h, w = s.shape[0] - 1, s.shape[1] - 1
+    (ys, ye), (xs, xe) = (b[0] for b in _bins(np.array([0]), np.array([h]), out_h)), \
+        (b[0] for b in _bins(np.array([0]), np.array([w]), out_w))
+    rows = np.take(s, ye, axis=0) - np.take(s, ys, axis=0)      # (out_h, W+1, C): each row-bin's column integral
+    sums = np.take(rows, xe, axis=1) - np.take(rows, xs, axis=1)
+    return _mean(sums, (ye - ys)[:, None] * (xe - xs)[None, :])[None]
+
+
+def _mean(sums: np.ndarray, cnt: np.ndarray) -> np.ndarray:
+    """sums / cnt as float32, divided in float64 (what torch's area interpolation gives, bit for bit)."""
+    out = np.empty(sums.shape, np.float32)
+    np.divide(sums, cnt.astype(np.float64)[..., None], out=out, casting="unsafe")
+    return out
 
 
 def _area_resize(s: np.ndarray, y0, y1, x0, x1, out_h: int, out_w: int) -> np.ndarray:
     """Area-resample the windows [y0,y1) x [x0,x1) (int arrays, one per window, may leave the image:
     outside is 0) to (N, out_h, out_w, C) float32. Output cell k averages input rows
-    [floor(k*n/out), ceil((k+1)*n/out)) like torch's adaptive_avg_pool2d."""
-
-    def bins(lo, hi, out):
-        n, k = (hi - lo)[:, None], np.arange(out)[None]
-        return lo[:, None] + k * n // out, lo[:, None] - (-(k + 1) * n // out)
-
-    (ys, ye), (xs, xe) = bins(np.asarray(y0), np.asarray(y1), out_h), bins(np.asarray(x0), np.asarray(x1), out_w)
-    cnt = ((ye - ys)[:, :, None] * (xe - xs)[:, None, :])[..., None]
-    ys, ye = np.clip(ys, 0, s.shape[0] - 1)[:, :, None], np.clip(ye, 0, s.shape[0] - 1)[:, :, None]
-    xs, xe = np.clip(xs, 0, s.shape[1] - 1)[:, None, :], np.clip(xe, 0, s.shape[1] - 1)[:, None, :]
-    return ((s[ye, xe] - s[ys, xe] - s[ye, xs] + s[ys, xs]) / cnt).astype(np.float32)
+    [floor(k*n/out), ceil((k+1)*n/out)) like torch's adaptive_avg_pool2d. The four corners of every cell are
+    read with one gather from the flattened integral image."""
+    (ys, ye), (xs, xe) = _bins(np.asarray(y0), np.asarray(y1), out_h), _bins(np.asarray(x0), np.asarray(x1), out_w)
+    cnt = (ye - ys)[:, :, None] * (xe - xs)[:, None, :]
+    h1, w1, c = s.shape
+    ye, ys = (np.clip(ye, 0, h1 - 1) * w1)[:, :, None], (np.clip(ys, 0, h1 - 1) * w1)[:, :, None]
+    xe, xs = np.clip(xe, 0, w1 - 1)[:, None, :], np.clip(xs, 0, w1 - 1)[:, None, :]
+    corners = np.take(s.reshape(-1, c), np.stack([ye + xe, ys + xs, ys + xe, ye + xs]).reshape(4, -1), axis=0)
+    sums = (corners[0] + corners[1]) - (corners[2] + corners[3])
+    return _mean(sums.reshape(len(ys), out_h, out_w, c), cnt)
 
 
 def _run_on_crops(s: np.ndarray, boxes: np.ndarray, size: int, net: Runner, batch: int) -> list[np.ndarray]:
@@ -230,7 +256,7 @@ def _proposals(s: np.ndarray, h: int, w: int, pnet: Runner, cfg: DetectorConfig)
     """Stage 1: P-Net over the pyramid -> (N, 5) squared boxes + score."""
     found = []
     for scale in pyramid_scales(h, w, cfg):
-        img = _area_resize(s, [0], [h], [0], [w], int(h * scale + 1), int(w * scale + 1))
+        img = _resize_image(s, int(h * scale + 1), int(w * scale + 1))
         reg, prob = pnet(preprocess(img))
         yy, xx = np.nonzero(prob[0, 1] >= cfg.thresholds[0])
         if yy.size == 0:
