@@ -11,7 +11,6 @@ import os
 import platform
 import sys
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 # ISA extensions that select different INT8 / FP32 kernels in ONNX Runtime, oneDNN and Inductor.
@@ -38,6 +37,8 @@ def cpu() -> dict[str, object]:
 
 def version(package: str) -> str:
     """An installed distribution's version, read from its metadata (no import), or "absent"."""
+    from importlib import metadata       # ~30 ms: not on an engine's cold-start path, which never asks
+
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:

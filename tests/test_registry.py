@@ -199,6 +199,44 @@ def test_register_refuses_unverified_unvalidated_or_failed_engines(cfg, root, ca
         register(cfg, "nope", root)
 
 
+def test_register_reads_the_bench_gate_of_exactly_this_build(cfg, root, capsys):
+    """register@ depends on the engine's own bench verdict (no timings): a failed one refuses registration, an
+    edited one or one about other builds is refused, and the same builds and verdicts give the same bytes."""
+    from pipeline import benchgate
+
+    make_engine(root, cfg, FP32, b"fp32")
+    make_engine(root, cfg, INT8, b"int8")
+    gate = benchgate.path("embedder", INT8, root)
+    bench_identity = {"toolchain": {}, "code": {"pipeline/stages/bench.py": "c0de"}, "params": {}}
+
+    def write(verdict: str) -> bytes:
+        benchgate.write(cfg, "embedder", {FP32: "pass", INT8: verdict}, [], bench_identity, root)
+        return gate.read_bytes()
+
+    write("fail")
+    doc = json.loads(gate.read_text())
+    assert doc["gate"]["int8_vs"] == FP32 and [r["role"] for r in doc["inputs"]] == \
+        [f"engine:{INT8}", f"engine:{FP32}", "validation"]
+    with pytest.raises(GateFailed, match="bench gate failed") as e:
+        register(cfg, INT8, root)
+    assert "--allow-failed" in e.value.hint
+    r = register(cfg, INT8, root, allow_failed=True)                 # deliberately: no alias, warned
+    assert r.new and aliases(r.name) == {} and "FAILED bench gate" in capsys.readouterr().err
+
+    assert write("pass") == write("pass")                            # same builds and verdict, same bytes
+    gate.write_text(gate.read_text().replace('"pass"', '"fail"'))   # edited: its manifest says otherwise
+    with pytest.raises(KilnError, match="does not verify"):
+        register(cfg, INT8, root)
+    write("pass")
+    make_engine(root, cfg, FP32, b"fp32 rebuilt")                   # the sibling it was timed against changed
+    with pytest.raises(KilnError, match="about other builds") as e:
+        register(cfg, INT8, root)
+    assert "dvc repro bench@embedder" in e.value.hint
+    write("pass")
+    assert register(cfg, INT8, root).verdict == "pass"
+    assert client().get_model_version(f"kiln-{INT8}", "1").tags["bench_gate"] == "fail"
+
+
 # ---------------------------------------------------------------------------------------------- promote
 def test_promote_refuses_a_failed_validation_even_with_an_edited_tag(cfg, root):
     make_engine(root, cfg, INT8, b"int8-but-wrong", verdict="fail")

@@ -159,7 +159,7 @@ def test_the_int8_bench_gate_on_injected_latencies(cfg):
 
 
 # ---------------------------------------------------------------------------------------------- the contract
-PROTOCOL = ("name", "reproducibility", "parse_options", "probe", "compile", "audit", "load", "manifest_extras",
+PROTOCOL = ("name", "reproducibility", "runtime", "parse_options", "probe", "compile", "audit", "load", "manifest_extras",
             "check_package", "runnable", "accept_rebuild")
 
 
@@ -187,6 +187,7 @@ def test_every_registered_target_meets_the_whole_contract(name, built, cfg, tmp_
     assert t.name == name and entry.source_kind in ("onnx", "program") and set(entry.precisions) <= set(
         config.PRECISIONS)
     assert isinstance(t.reproducibility, Reproducibility) and t.reproducibility.claim in CLASSES[:3]
+    assert t.runtime and all(isinstance(m, str) and m.isidentifier() for m in t.runtime), t.runtime
     assert name in cfg.targets, f"params.yaml has no targets.{name} block"
     t.parse_options(cfg.targets[name].options)
     runner = _runner_class(t)

@@ -194,6 +194,9 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
     if new and verdict["verdict"] == "fail":
         print(f"kiln: WARNING: {name} v{version} registered with a FAILED validation (--allow-failed); it has no "
               "alias and `kiln promote` will refuse it", file=sys.stderr)
+    elif new and art.tags.get("bench_gate") == "fail":
+        print(f"kiln: WARNING: {name} v{version} registered with a FAILED bench gate (--allow-failed); it has no "
+              "alias", file=sys.stderr)
     return Receipt(name, version, digest, redact(reg.uri), new, verdict["verdict"], identity_digest(manifest),
                    identity_digest(vmanifest))
 
@@ -267,6 +270,8 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
     mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
     version = int(mv.version)
     alias = {"pass": CANDIDATE, "not-run": BUILT}.get(verdict["verdict"])
+    if alias and art.tags.get("bench_gate") == "fail":         # registered with --allow-failed: no alias either
+        alias = None
     if alias:
         previous = reg.aliases(name).get(alias)
         client.set_registered_model_alias(name, alias, str(version))

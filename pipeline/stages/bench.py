@@ -7,6 +7,11 @@ with `cache: false` (timings are records of one run: never restored from the run
 non-reproducible in the README), with a manifest binding them to the engines' and verdicts' digests. An INT8 engine
 that is not faster than its FP32 sibling on the same target fails its recipe (exit 1), after the numbers are
 written.
+
+Each engine's verdict is also written alone, without timings, to `gate/<engine>.json` (DVC-cached): the engine's
+and its verdict's digests (and the FP32 sibling's, for an INT8 engine), the gate applied, pass / fail / not-run.
+That file is what `register@<engine>` depends on, so a bench rerun with the same verdicts, or another engine added
+to the model (another host's target), stales no registration.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import coldstart, models, paths, stage, tables, targets, toolchain
+from pipeline import benchgate, coldstart, models, paths, stage, tables, targets, toolchain
 from pipeline import engines as engine_loader
 from pipeline.manifest import build_manifest, input_ref, manifest_path, write_json_atomic, write_manifest
 from pipeline.targets.base import synthetic_feed
@@ -45,7 +50,8 @@ STAGE = stage.Stage(
     dynamic=lambda cfg, key: [models.factory_module(cfg.model(key)),
                               *sorted({targets.module(e.target) for e in _engines(cfg, key)})],
     outs=lambda cfg, key: [stage.Out((paths.bench(key) / paths.BENCH_FILE).as_posix(), cache=False, kind="metrics"),
-                           stage.Out(manifest_path(paths.bench(key), key).as_posix(), cache=False)])
+                           stage.Out(manifest_path(paths.bench(key), key).as_posix(), cache=False),
+                           stage.Out(benchgate.directory(key).as_posix())])
 
 @dataclass(frozen=True)
 class BenchResult:
@@ -55,18 +61,17 @@ class BenchResult:
 
 def cold_start(target: str, engine_dir: Path, input_shape: tuple[int, ...], max_batch: int,
                kind: str = "chips") -> dict[str, float]:
-    """Fresh process: import, verified load + session creation, first inference; resident memory after max-batch
-    inferences."""
-    out = subprocess.run([sys.executable, "-m", coldstart.__name__, target, str(engine_dir),
-                          json.dumps(list(input_shape)), str(max_batch), kind], capture_output=True, text=True,
-                         env=stage.cli_env())
+    """Fresh process, from its start to the first output (interpreter, Kiln's loader, the target's runtime,
+    verified load + session creation, first inference); resident memory after max-batch inferences."""
+    args = [sys.executable, "-m", coldstart.__name__, target, str(engine_dir), json.dumps(list(input_shape)),
+            str(max_batch), kind]
+    out = subprocess.run(args + [repr(time.time())], capture_output=True, text=True, env=stage.cli_env())
     if out.returncode != 0:
         from pipeline.errors import KilnError
 
         raise KilnError(f"cold start of {engine_dir} failed: {(out.stderr.strip().splitlines() or ['?'])[-1]}",
                         "run `kiln validate` on the engine first")
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    r["cold_start_ms"] = r["load_ms"] + r["first_inference_ms"]
     return {k: round(v, 3) for k, v in r.items()}
 
 
@@ -103,12 +108,12 @@ def summarize(lat: dict[int, np.ndarray]) -> dict[str, float]:
 
 def int8_gate(report: dict, engines: list, batches: tuple[int, ...], min_speedup: float) -> list[str]:
     """Speed-ups of each INT8 engine over its FP32 sibling on the same target (written into `report`), and a
-    failure for every batch where it is below `min_speedup`."""
+    failure for every batch where it is below `min_speedup` (the engine's `bench_gate` in `report` says fail)."""
     failures = []
     for e in engines:
         if e.precision != "int8":
             continue
-        sibling = next((s for s in engines if s.target == e.target and s.precision == "fp32"), None)
+        sibling = benchgate.fp32_sibling(e, engines)
         if sibling is None:
             continue
         m = report["engines"][e.name]
@@ -117,13 +122,15 @@ def int8_gate(report: dict, engines: list, batches: tuple[int, ...], min_speedup
             m[f"b{b}_speedup_vs_fp32"] = round(ratio, 3)
             report["ratios"][f"{e.name}/{sibling.name}@b{b}"] = round(ratio, 3)
             if ratio < min_speedup:
+                m["bench_gate"] = "fail"
                 failures.append(f"{e.name} is {ratio:.2f}× its FP32 sibling {sibling.name} at batch {b} "
                                 f"(needs ≥ {min_speedup:g}×): the INT8 recipe {e.recipe!r} does not pay")
     return failures
 
 
 def run(cfg, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
-    """The bench stage: measure, then write artifacts/bench/<model>/bench.json + its manifest (never cached)."""
+    """The bench stage: measure, then write artifacts/bench/<model>/bench.json + its manifest (never cached) and
+    each engine's verdict alone (gate/<engine>.json + the gate's manifest, cached)."""
     result = measure_model(cfg, model_name, root, progress)
     d = paths.bench(model_name, root)
     write_json_atomic(d / paths.BENCH_FILE, result.report)
@@ -136,6 +143,9 @@ def run(cfg, model_name: str, root: Path = Path("."), progress=print) -> BenchRe
         build={"rounds": ROUNDS, "timings": "one run's record: not reproducible, not cached"},
         results={"verdict": result.report["verdict"], "failures": result.failures},
         **STAGE.identity(cfg, model_name, root)))
+    verdicts = {e.name: "not-run" if e.name in result.report["not_run"] else
+                result.report["engines"][e.name].get("bench_gate", "pass") for e in _engines(cfg, model_name)}
+    benchgate.write(cfg, model_name, verdicts, inputs, STAGE.identity(cfg, model_name, root), root)
     return result
 
 

@@ -12,7 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline import paths, stage
+from pipeline import benchgate, paths, stage
+from pipeline.errors import GateFailed
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, write_json_atomic, write_manifest
 from pipeline.registry import registration as reg
 
@@ -23,7 +24,7 @@ STAGE = stage.Stage(
     "log + register the validated engine in MLflow (idempotent by content; a new version becomes `candidate`)",
     keys=lambda cfg: list(cfg.engines),
     deps=lambda cfg, key: [paths.engine(key).as_posix(), paths.validation(key).as_posix(),
-                           (paths.bench(cfg.engine(key).model) / paths.BENCH_FILE).as_posix()],
+                           benchgate.path(cfg.engine(key).model, key).as_posix()],
     params=lambda cfg, key: ["register.experiment"],
     outs=lambda cfg, key: [stage.Out(paths.receipt(key).as_posix(), cache=False)])
 
@@ -40,6 +41,13 @@ def write_receipt(cfg, spec: stage.Stage, key: str, art: reg.Registrable, receip
 
 def run(cfg, engine_name: str, root: Path = Path("."), allow_failed: bool = False) -> reg.Receipt:
     art = reg.engine_registrable(cfg, engine_name, root)
+    gate = benchgate.check(cfg, engine_name, root)          # None: its model was not benched here
+    if gate == "fail" and not allow_failed:
+        raise GateFailed(f"{engine_name}: its bench gate failed (an INT8 engine not faster than its FP32 sibling: "
+                         f"{paths.bench(art.tags['model'], root) / paths.BENCH_FILE}); not registered",
+                         "change the quantization recipe or drop the engine, or register it deliberately with "
+                         "--allow-failed (no alias)")
+    art.tags["bench_gate"] = gate or "not benched here"
     receipt = reg.register(cfg, art, root, allow_failed)
     write_receipt(cfg, STAGE, engine_name, art, receipt, root)
     return receipt
@@ -48,8 +56,6 @@ def run(cfg, engine_name: str, root: Path = Path("."), allow_failed: bool = Fals
 def sync(cfg, root: Path = Path("."), progress=print) -> list[reg.Receipt]:
     """Register every built, validated engine and chosen index (idempotent): what a new or lost registry needs.
     Artifacts not built here, or whose verdict is a failure, are reported and skipped."""
-    from pipeline.errors import GateFailed
-
     out = []
     jobs = [(e, lambda e=e: run(cfg, e, root), reg.engine_registrable(cfg, e, root)) for e in cfg.engines]
     from pipeline.stages.register_index import run_index

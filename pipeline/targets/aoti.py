@@ -123,6 +123,7 @@ class Options(BaseModel):
 
 class AotiCpu:
     name = "aoti-cpu"
+    runtime = ("torch",)                 # the package's .so links libtorch: a cold start imports torch
     reproducibility = Reproducibility(
         "bit-identical", checked_at_compile=False, bound=1e-5,
         basis="built in one fixed absolute directory (/tmp/kiln-aoti-build-<uid>); a compile takes tens of seconds, so "

@@ -1,6 +1,7 @@
 """The target protocol: one module per compiler target, one class, everything a stage may ask of it.
 
     name                    the params.yaml / registry key
+    runtime                 the Python modules its runner imports (a cold start pays for them; bench@ times it)
     parse_options(raw)      validate the target's own params (`targets.<name>` less enabled/fallback_policy)
     probe()       → Toolchain   versions + device as `rebuild_on`, or unavailable with a one-line reason; cheap
     compile(src, options, out, workdir) → list[Path]   engine files written into `out`
@@ -102,6 +103,7 @@ class Runner(Protocol):
 class Target(Protocol):
     name: str
     reproducibility: Reproducibility
+    runtime: tuple[str, ...]                                    # modules its runner imports (cold start counts them)
 
     def parse_options(self, raw: dict[str, Any]) -> Any: ...    # KilnError naming `targets.<name>.<key>`
 

@@ -80,6 +80,7 @@ def canonical_names(model):
 
 class OpenVinoCpu:
     name = "openvino-cpu"
+    runtime = ("openvino",)
     reproducibility = Reproducibility("bit-identical", checked_at_compile=True, bound=1e-6,
                                       basis="IR from save_model(compress_to_fp16=False) in a process without "
                                             "query_model; runtime properties in config.json")

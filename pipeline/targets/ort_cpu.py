@@ -16,7 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from pipeline import toolchain
 from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
-from pipeline.targets.canonical import canonicalize
 
 ENGINE_FILE = "model.onnx"
 SESSION_FILE = "session.json"
@@ -38,6 +37,7 @@ class Options(BaseModel):
 
 class OrtCpu:
     name = "ort-cpu"
+    runtime = ("onnxruntime",)           # what its runner imports (a cold start pays for it)
     # compiling takes ~1 s, so the compile stage rebuilds in a fresh process and compares bytes every time
     reproducibility = Reproducibility("bit-identical", checked_at_compile=True, bound=1e-6,
                                       basis="offline-optimized graph, canonicalized (targets/canonical.py)")
@@ -91,6 +91,8 @@ class OrtCpu:
     def compile(self, source: Path, options: CompileOptions, out: Path, workdir: Path) -> list[Path]:
         import onnx as onnx_lib
         import onnxruntime as ort
+
+        from pipeline.targets.canonical import canonicalize    # imports onnx: not on the runner's (cold-start) path
 
         engine = out / ENGINE_FILE
         ort.InferenceSession(str(source), self._session_options(options.options, engine),

@@ -497,6 +497,7 @@ def _device_fingerprint(trt) -> dict[str, str]:  # pragma: no cover - needs a GP
 
 class TensorRT:
     name = "tensorrt"
+    runtime = ("tensorrt", "torch")      # the runner's device buffers are torch CUDA tensors
     # compiles artifacts/export (fp32, fp16) or artifacts/quantized/<model>-symmetric (int8)
     reproducibility = Reproducibility("task-equivalent", checked_at_compile=False, bound=1e-2, basis=EQUIVALENCE)
 

@@ -175,6 +175,7 @@ def _module():
 
 class TensorRTRTX:
     name = "tensorrt-rtx"
+    runtime = ("tensorrt_rtx_bindings", "torch")
     reproducibility = Reproducibility(
         "numerically-equivalent", checked_at_compile=True, bound=1e-2,
         basis="ahead-of-time CPU build, no timing cache: a single-output network rebuilds bit-identical; a "
