@@ -1,4 +1,5 @@
-"""End-to-end latency per stage, from ONE run: ORT FP32 / INT8-where-built, AOTInductor and PyTorch eager.
+"""End-to-end latency per stage, from ONE run: ORT FP32 / INT8-where-built, AOTInductor, OpenVINO, the leaderboard's
+fastest engine per graph, and PyTorch eager.
 
 Scenarios: a portrait with one face, a large photo (the portrait upscaled to ~1000 px on its long side), and a
 frame with several faces (three portraits side by side). Per stage p50/p95 over interleaved repeats, total per
@@ -37,7 +38,8 @@ def main() -> int:
     args = ap.parse_args()
     cfg = config.load(Path("params.yaml"))
     systems = [System.from_engines(cfg, "ort-cpu", "fp32"), System.from_engines(cfg, "ort-cpu", "int8"),
-               System.from_engines(cfg, "aoti-cpu", "fp32"), System.eager(cfg)]
+               System.from_engines(cfg, "aoti-cpu", "fp32"), System.from_engines(cfg, "openvino-cpu", "int8"),
+               System.fastest(cfg), System.eager(cfg)]
     for s in systems:
         s.enroll()
     scen = scenarios(cfg)

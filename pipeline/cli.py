@@ -71,13 +71,16 @@ def cmd_identify(args) -> int:
     cfg = _cfg(args)
     rgbs = [(p, load_rgb(Path(p))) for p in args.images]  # a corrupt, oversized or non-image file stops here
     tmp = None
+    release_dir = None
+    if args.release:
+        tmp = tempfile.TemporaryDirectory(prefix="kiln-release-")
+        release_dir = Path(tmp.name)
     if args.target == "pytorch":
         system = System.eager(cfg)
-    elif args.release:
-        tmp = tempfile.TemporaryDirectory(prefix="kiln-release-")
-        system = System.from_engines(cfg, args.target, args.precision, release_dir=Path(tmp.name))
+    elif args.target == "fastest":
+        system = System.fastest(cfg, release_dir=release_dir)
     else:
-        system = System.from_engines(cfg, args.target, args.precision)
+        system = System.from_engines(cfg, args.target, args.precision, release_dir=release_dir)
     system.enroll()
     if args.gallery:
         system.use_index(args.gallery)
@@ -313,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("identify", cmd_identify, "detect, align, embed and match faces in photos using only built, verified "
             "engines (exit 1 if a photo has no face)")
     p.add_argument("images", nargs="+", help="image files (JPEG, PNG, ...)")
-    p.add_argument("--target", default="ort-cpu", help="engine target, or `pytorch` for the eager reference")
+    p.add_argument("--target", default="ort-cpu", help="engine target; `fastest`: per graph the leaderboard's fastest "
+                   "engine that passed its gate; `pytorch`: the eager reference")
     p.add_argument("--precision", default="int8", choices=["fp32", "fp16", "bf16", "int8"],
                    help="preferred precision per graph; graphs without such an engine use their FP32 engine")
     p.add_argument("--release", action="store_true",

@@ -27,6 +27,7 @@ from pipeline.models import mtcnn
 from pipeline.models.align import chip_transform
 
 NETS = ("pnet", "rnet", "onet")
+GRAPHS = (*NETS, "aligner", "embedder")
 STAGES = (*NETS, "detect_glue", "align", "embed", "match")
 
 
@@ -60,28 +61,55 @@ class System:
         With `release_dir`, each engine is instead its MLflow `production` version, downloaded there and verified
         against its checksums (what a release engineer ships), rather than the local build.
         """
-        chosen, dirs, names = {}, {}, {}
-        for model in ("pnet", "rnet", "onet", "aligner", "embedder"):
+        picks = {}
+        for model in GRAPHS:
             options = [e for e in cfg.engines_of(model) if e.target == target]
             pick = next((e for e in options if e.precision == precision), None) or \
                 next((e for e in options if e.precision == "fp32"), None)
             if pick is None:
                 raise KilnError(f"no {target} engine for {model!r} in params.yaml `engines:`",
                                 f"add one (e.g. {model}-{target}-fp32) and build it: dvc repro")
+            picks[model] = pick.name
+        return cls.from_picks(cfg, f"{target}-{precision}", picks, root, release_dir)
+
+    @classmethod
+    def fastest(cls, cfg: Config, root: Path = Path("."), release_dir: Path | None = None) -> "System":
+        """Per graph, the engine the leaderboard marked: the fastest at batch 1 on this host that passed its gate
+        (artifacts/reports/leaderboard.json; every engine is still verified when it loads)."""
+        import json
+
+        board = paths.reports(root) / "leaderboard.json"
+        if not board.is_file():
+            raise KilnError(f"{board}: no leaderboard", "build it: dvc repro leaderboard")
+        winners = {r["model"]: r["engine"] for r in json.loads(board.read_text()) if r.get("best")}
+        missing = [m for m in GRAPHS if m not in winners]
+        if missing:
+            raise KilnError(f"{board}: no engine of {', '.join(missing)} passed its gate and was timed here",
+                            "build and bench them: dvc repro")
+        return cls.from_picks(cfg, "fastest-per-graph", {m: winners[m] for m in GRAPHS}, root, release_dir)
+
+    @classmethod
+    def from_picks(cls, cfg: Config, name: str, picks: dict[str, str], root: Path = Path("."),
+                   release_dir: Path | None = None) -> "System":
+        """The system of one named engine per graph (model → engine name from params.yaml `engines:`)."""
+        chosen, dirs = {}, {}
+        for model in GRAPHS:
+            pick = cfg.engine(picks[model])
+            if pick.model != model:
+                raise KilnError(f"engine {pick.name} is a {pick.model} engine, not a {model} one",
+                                f"pick one of {', '.join(e.name for e in cfg.engines_of(model))}")
             if release_dir is not None:
                 from pipeline.registry import fetch_release
 
-                names[model] = pick.name
                 dirs[model], version = fetch_release(cfg, pick.name, release_dir / pick.name, root)
                 chosen[model] = f"{pick.name}@production(v{version})"
                 continue
             if not paths.engine(pick.name, root).is_dir():
                 raise KilnError(f"engine {pick.name} is not built", f"build it first: dvc repro compile@{pick.name}")
-            dirs[model], chosen[model], names[model] = paths.engine(pick.name, root), pick.name, pick.name
-        runners = {m: engines.load(target, d, names[m]) for m, d in dirs.items()}
+            dirs[model], chosen[model] = paths.engine(pick.name, root), pick.name
+        runners = {m: engines.load(cfg.engine(picks[m]).target, d, picks[m]) for m, d in dirs.items()}
         nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m]) for m in NETS)
-        return cls(f"{target}-{precision}", nets,
-                   lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0],
+        return cls(name, nets, lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0],
                    runners["embedder"].run, cfg, chosen)
 
     @classmethod
@@ -90,7 +118,7 @@ class System:
 
         from pipeline import models
 
-        mods = {m: models.build(cfg.model(m), root) for m in ("pnet", "rnet", "onet", "aligner", "embedder")}
+        mods = {m: models.build(cfg.model(m), root) for m in GRAPHS}
 
         def call(mod):
             def run(*xs):
