@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -144,6 +145,26 @@ def serve_mlflow(tmp_path: Path, template_db: Path, workers: int = 1):
 def mlflow_server(tmp_path, template_db):
     with serve_mlflow(tmp_path, template_db) as url:
         yield url
+
+
+@pytest.fixture
+def postgres_server():
+    """The team setup: scripts/registry-server.sh — a real PostgreSQL cluster and `mlflow server` on it, proxying
+    artifacts. Its directory must be readable by the `postgres` user when run as root (pytest's tmp dirs are not)."""
+    d = Path(tempfile.mkdtemp(prefix="kiln-registry-"))
+    os.chmod(d, 0o755)
+    t0 = time.perf_counter()
+    r = subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "start", str(d)], capture_output=True,
+                       text=True, timeout=300)
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        url = r.stdout.split("MLFLOW_TRACKING_URI=")[1].split()[0]
+        print(f"\nPostgreSQL registry server up in {time.perf_counter() - t0:.1f} s: {url}")
+        yield url
+    finally:
+        subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "stop", str(d)], capture_output=True,
+                       timeout=120)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- headless Chromium

@@ -26,7 +26,6 @@ TOOLCHAIN = "toolchain/dvc.yaml:toolchain"     # the always-changed probe, in it
 NOT_REPRODUCIBLE = {
     "bench@": "timings of one run",
     "match@": "the index choice follows measured latency; its verdict and curve hold timings",
-    "register@": "depends on the model's bench timings",
     "register-index@": "depends on the matching verdict's timings",
     "leaderboard": "ranks engines by the bench's timings",
 }
@@ -192,34 +191,47 @@ def test_each_stage_imports_only_what_it_lists(repo):
     assert checked >= 40
 
 
+def changed_deps(root: Path) -> dict[str, set[str]]:
+    """`dvc status --json`: per stale stage, the deps DVC found changed (the always-changed probe left out)."""
+    r = dvc(root, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    return {stage: {path for change in changes if isinstance(change, dict)
+                    for path in change.get("changed deps", {})}
+            for stage, changes in json.loads(r.stdout or "{}").items() if stage != TOOLCHAIN}
+
+
 @pytest.mark.slow
 def test_editing_a_module_stales_exactly_the_stages_that_import_it(repo):
-    """Each module a stage imports, edited alone, stales exactly those stages. The modules no stage imports (the CLI,
-    the release tools, …) and README.md are edited all at once — one `dvc status` — and must stale nothing."""
+    """Every pipeline module and README.md edited at once, one `dvc status`: DVC must report each stage changed in
+    exactly the modules its lock lists (so editing any one module alone stales exactly the stages that import it),
+    and the modules no stage imports (the CLI, the release tools, …) and README.md in none. One module is then
+    edited alone, as a user would, and stales exactly its importers."""
     deps = resolved_deps(repo)
-    modules = sorted(p.relative_to(repo).as_posix() for p in (repo / "pipeline").rglob("*.py"))
-    imported = [m for m in modules if any(m in d for d in deps.values())]
-    unimported = [m for m in modules if m not in imported] + ["README.md"]
+    edited = sorted(p.relative_to(repo).as_posix() for p in (repo / "pipeline").rglob("*.py")) + ["README.md"]
+    originals = {rel: (repo / rel).read_bytes() for rel in edited}
     t0 = time.perf_counter()
-    for rel in imported:
-        path = repo / rel
-        original = path.read_bytes()
-        path.write_bytes(original + b"\n# edited\n")
-        try:
-            expected = {s for s, d in deps.items() if rel in d}
-            assert stale(repo) == expected, rel
-        finally:
-            path.write_bytes(original)
-    originals = {rel: (repo / rel).read_bytes() for rel in unimported}
     try:
         for rel, data in originals.items():
             (repo / rel).write_bytes(data + b"\n# edited\n")
-        assert stale(repo) == set(), unimported
+        changed = changed_deps(repo)
     finally:
         for rel, data in originals.items():
             (repo / rel).write_bytes(data)
-    print(f"\n{len(imported)} modules edited one by one, {len(unimported)} files no stage imports edited at once: "
-          f"{time.perf_counter() - t0:.0f} s of dvc status")
+    expected = {s: d & set(edited) for s, d in deps.items() if d & set(edited)}
+    assert changed == expected, {s: (changed.get(s), expected.get(s)) for s in set(changed) | set(expected)
+                                 if changed.get(s) != expected.get(s)}
+    imported = set().union(*expected.values())
+    assert "README.md" not in imported and "pipeline/cli.py" not in imported
+    assert len(imported) >= 40 and len(expected) >= 80, (len(imported), len(expected))
+    rel = "pipeline/targets/aoti.py"
+    path = repo / rel
+    path.write_bytes(originals[rel] + b"\n# edited\n")
+    try:
+        assert stale(repo) == {s for s, d in deps.items() if rel in d}
+    finally:
+        path.write_bytes(originals[rel])
+    print(f"\n{len(imported)} imported modules, {len(edited) - len(imported)} files no stage imports, "
+          f"{len(expected)} stages: {time.perf_counter() - t0:.0f} s of dvc status")
 
 
 @pytest.mark.slow
@@ -325,12 +337,23 @@ def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo)
     assert 'class="l v-pass"' in dom
 
 
+RTX_ENGINES = ("embedder-tensorrt-rtx-fp32", "embedder-tensorrt-rtx-fp16", "embedder-tensorrt-rtx-int8",
+               "rnet-tensorrt-rtx-fp16", "onet-tensorrt-rtx-fp16")      # profiles/rtx.yaml
+OVER_ALL_ENGINES = {"fallback-table", "leaderboard"}                   # reports over every engine of the params
+
+
 @pytest.mark.slow
-def test_a_second_host_gets_the_build_from_an_ssh_remote_and_rebuilds_nothing(repo, tmp_path):
-    """Host A (the built copy) pushes its cache and run cache to a real OpenSSH server on loopback
-    (scripts/remote-server.sh). Host B, a checkout with A's dvc.lock, pulls and reruns nothing but the toolchain
-    probe. Host C, a checkout with no dvc.lock at all, gets the INT8 engine by `dvc repro --pull`: every stage up to
-    it is restored from the shared run cache (same deps, params and toolchain keys), none is run."""
+def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_server):
+    """The team setup on loopback: a real OpenSSH server as the shared DVC remote (scripts/remote-server.sh) and a
+    real `mlflow server` on PostgreSQL as the shared registry (scripts/registry-server.sh).
+
+    A (cpu-x86: the built copy) pushes its cache and run cache and syncs its engines into the registry.
+    B (rtx: `kiln profile rtx`) starts from A's dvc.lock with an empty cache; `dvc repro --pull --allow-missing`
+      runs only its own target's stages — plus the benches of the models that gained an engine and the two reports
+      over all engines — and registers its engines as `built` (promotion refuses them); it pushes.
+    C (release) pulls what both pushed, verifies every artifact, syncs (nothing new: nothing registered twice),
+      promotes A's INT8 engine, and `dvc repro` runs nothing.
+    D (no dvc.lock at all) gets the INT8 engine by `dvc repro --pull`: restored from the shared run cache."""
     server = tmp_path / "remote"
     r = subprocess.run(["bash", str(REPO / "scripts/remote-server.sh"), "start", str(server)], capture_output=True,
                        text=True, timeout=120)
@@ -338,60 +361,101 @@ def test_a_second_host_gets_the_build_from_an_ssh_remote_and_rebuilds_nothing(re
     home = tmp_path / "home"                    # the hosts' ~/.ssh/known_hosts holds the server's host key
     (home / ".ssh").mkdir(parents=True)
     shutil.copy(server / "known_hosts", home / ".ssh" / "known_hosts")
-    env = {"HOME": str(home)}
+    env = {"HOME": str(home), "MLFLOW_TRACKING_URI": postgres_server}
     setup = [line.split() for line in r.stdout.splitlines() if line.startswith("dvc ")]
 
     def connect(root: Path) -> None:
         for cmd in setup:
             assert dvc(root, *cmd[1:], env=env).returncode == 0, cmd
 
+    def host(name: str, lock_from: Path | None) -> Path:
+        h = tmp_path / f"host-{name}"
+        subprocess.run(["git", "clone", "-q", str(repo), str(h)], check=True)
+        if lock_from is not None:               # that host's working state: params, derived DAG, locks
+            for f in ("params.yaml", "dvc.yaml", "toolchain/dvc.yaml", "dvc.lock", "toolchain/dvc.lock"):
+                shutil.copy(lock_from / f, h / f)
+        connect(h)
+        return h
+
+    def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r
+
     config = (repo / ".dvc/config").read_bytes()
+    counts = {}
     try:
+        # ---- host A: cpu-x86
         connect(repo)
         engines = yaml.safe_load((repo / "params.yaml").read_text())["engines"]
-        before = kiln(repo, "plan", env=env)
-        assert before.returncode == 0, before.stdout + before.stderr
+        before = ok(kiln(repo, "plan", env=env))
         assert before.stdout.count("| not pushed ") == len(engines), before.stdout
-        t0 = time.perf_counter()
-        push = dvc(repo, "push", "--run-cache", env=env)
-        assert push.returncode == 0, push.stdout[-2000:] + push.stderr[-2000:]
-        t_push = time.perf_counter() - t0
-        after = kiln(repo, "plan", env=env)
-        assert after.stdout.count("| in remote ") == len(engines), after.stdout
+        ok(dvc(repo, "push", "--run-cache", env=env))
+        after = ok(kiln(repo, "plan", env=env))
         assert f"cpu-x86: 0 to build, {len(engines)} in the remote" in after.stdout, after.stdout
-        hosts = {}
-        for name, lock in (("B", True), ("C", False)):
-            h = tmp_path / f"host-{name}"
-            subprocess.run(["git", "clone", "-q", str(repo), str(h)], check=True)
-            for f in ("params.yaml", "dvc.yaml", "toolchain/dvc.yaml") + (("dvc.lock", "toolchain/dvc.lock")
-                                                                          if lock else ()):
-                shutil.copy(repo / f, h / f)        # the copy's working state: one gallery size, derived DAG
-            connect(h)
-            hosts[name] = h
-        t0 = time.perf_counter()
-        pull = dvc(hosts["B"], "pull", env=env)                 # uncached outputs (timings) are not in any remote
-        b = dvc(hosts["B"], "repro", "--allow-missing", env=env)
-        t_b = time.perf_counter() - t0
-        assert b.returncode == 0, b.stdout[-2000:] + b.stderr[-2000:]
-        assert ran(b.stdout) == {TOOLCHAIN}, b.stdout
-        engine = "artifacts/engines/embedder-ort-cpu-int8/model.onnx"
-        assert (hosts["B"] / engine).read_bytes() == (repo / engine).read_bytes(), pull.stdout[-2000:]
-        assert kiln(hosts["B"], "verify", "artifacts/engines").returncode == 0
-        t0 = time.perf_counter()
-        c = dvc(hosts["C"], "repro", "--pull", "compile@embedder-ort-cpu-int8", env=env)
-        t_c = time.perf_counter() - t0
-        assert c.returncode == 0, c.stdout[-2000:] + c.stderr[-2000:]
-        restored = {line.split("'")[1] for line in c.stdout.splitlines() if "is cached - skipping run" in line}
-        assert ran(c.stdout) == {TOOLCHAIN}, c.stdout
+        sync = ok(kiln(repo, "registry", "sync", env=env))
+        assert sync.stdout.count("registered new version") == len(engines) + 1, sync.stdout  # + 1 gallery index
+        counts["A"] = f"pushed {len(engines)} engines, registered {len(engines) + 1} versions"
+
+        # ---- host B: rtx, from A's lock and an empty cache
+        b = host("B", repo)
+        ok(kiln(b, "profile", "rtx"))
+        ok(kiln(b, "dag", "--write"))
+        plan_b = ok(kiln(b, "plan", env=env))
+        assert f"rtx: {len(RTX_ENGINES)} to build" in plan_b.stdout, plan_b.stdout
+        assert f"cpu-x86: 0 to build, {len(engines)} in the remote" in plan_b.stdout, plan_b.stdout
+        first = ok(dvc(b, "repro", "--pull", "--allow-missing", env=env))
+        ran_b = ran(first.stdout) - {TOOLCHAIN}
+        own = {f"{g}@{e}" for g in ("compile", "validate", "register") for e in RTX_ENGINES}
+        benches = {f"bench@{m}" for m in {e.split("-")[0] for e in RTX_ENGINES}}
+        assert own <= ran_b, sorted(own - ran_b)
+        assert ran_b <= own | benches | OVER_ALL_ENGINES, sorted(ran_b - own - benches - OVER_ALL_ENGINES)
+        counts["B"] = f"ran {len(ran_b)} stages: {len(own)} of its own target, {len(ran_b - own)} benches/reports"
+        for e in ("rnet-tensorrt-rtx-fp16", "onet-tensorrt-rtx-fp16"):
+            checked = json.loads((b / f"artifacts/engines/{e}/{e}.manifest.json").read_text())["build"]
+            assert checked["reproducibility"]["checked"].endswith(("bit-identical", "(the builder orders a "
+                                                                   "multi-output network's bindings differently "
+                                                                   "between builds)")), checked
+        for e in RTX_ENGINES:
+            assert json.loads((b / f"artifacts/validation/{e}/validation.json").read_text())["verdict"] == "not-run"
+            assert json.loads((b / f"artifacts/registry/{e}/receipt.json").read_text())["verdict"] == "not-run"
+        assert "built only" in (b / "artifacts/reports/fallback.md").read_text()
+        refused = kiln(b, "promote", "embedder-tensorrt-rtx-int8", "1", env=env)
+        assert refused.returncode == 1 and "no host with the runtime has validated it" in refused.stderr
+        again = ok(dvc(b, "repro", "--allow-missing", env=env))
+        assert ran(again.stdout) == {TOOLCHAIN}, again.stdout
+        ok(dvc(b, "push", "--run-cache", env=env))
+
+        # ---- host C: release, with B's lock (A's engines + B's)
+        c = host("C", b)
+        ok(dvc(c, "pull", env=env))
+        verify = ok(kiln(c, "verify", "artifacts"))
+        assert "engines" in verify.stdout and "validation" in verify.stdout, verify.stdout
+        for e in (*engines, *RTX_ENGINES):
+            assert (c / f"artifacts/engines/{e}/{e}.manifest.json").is_file(), e
+        resync = ok(kiln(c, "registry", "sync", env=env))
+        assert "registered new version" not in resync.stdout, resync.stdout
+        assert resync.stdout.count("already registered as") == len(engines) + len(RTX_ENGINES) + 1, resync.stdout
+        ok(kiln(c, "promote", "kiln-embedder-ort-cpu-int8", "1", env=env))
+        idle = ok(dvc(c, "repro", "--allow-missing", env=env))
+        assert ran(idle.stdout) == {TOOLCHAIN}, idle.stdout
+        counts["C"] = f"pulled {len(engines) + len(RTX_ENGINES)} engines, registered 0, ran {len(ran(idle.stdout)) - 1}"
+
+        # ---- host D: no lock at all, one engine wanted
+        d = host("D", None)
+        for f in ("params.yaml", "dvc.yaml", "toolchain/dvc.yaml"):
+            shutil.copy(repo / f, d / f)
+        got = ok(dvc(d, "repro", "--pull", "compile@embedder-ort-cpu-int8", env=env))
+        restored = {line.split("'")[1] for line in got.stdout.splitlines() if "is cached - skipping run" in line}
+        assert ran(got.stdout) == {TOOLCHAIN}, got.stdout
         assert {"assets", "export@embedder", "calibrate@embedder", "quantize@embedder-ort",
-                "compile@embedder-ort-cpu-int8"} <= restored, c.stdout
-        assert (hosts["C"] / engine).read_bytes() == (repo / engine).read_bytes()
-        fresh = kiln(hosts["C"], "plan", env=env)     # C's lock holds only what it restored: the rest is to build
-        assert fresh.returncode == 0 and fresh.stdout.count("| to build ") == len(engines) - 1, fresh.stdout
+                "compile@embedder-ort-cpu-int8"} <= restored, got.stdout
+        engine = "artifacts/engines/embedder-ort-cpu-int8/model.onnx"
+        assert (d / engine).read_bytes() == (repo / engine).read_bytes()
+        fresh = ok(kiln(d, "plan", env=env))    # D's lock holds only what it restored: the rest is to build
+        assert fresh.stdout.count("| to build ") == len(engines) - 1, fresh.stdout
         assert re.search(r"\| embedder-ort-cpu-int8 +\| ort-cpu +\| yes +\| in remote", fresh.stdout), fresh.stdout
-        print(f"\nhost A pushed in {t_push:.1f} s; host B ran {len(ran(b.stdout))} stage(s) after pull+repro "
-              f"({t_b:.1f} s); host C ran {len(ran(c.stdout))} and restored {len(restored)} from the run cache "
-              f"({t_c:.1f} s)")
+        counts["D"] = f"ran 0 stages, restored {len(restored)} from the run cache"
+        print("\n" + "\n".join(f"host {h}: {what}" for h, what in counts.items()))
     finally:                                    # the copy's DVC config as it was: later tests run dvc there
         (repo / ".dvc/config").write_bytes(config)
         (repo / ".dvc/config.local").unlink(missing_ok=True)
@@ -423,44 +487,6 @@ def test_a_lost_registry_is_filled_again_by_sync(repo):
     assert r.stdout.count("registered new version") == len(engines) + 1, r.stdout    # every engine, 1 gallery index
     again = kiln(repo, "registry", "sync")
     assert again.returncode == 0 and "registered new version" not in again.stdout
-
-
-@pytest.mark.slow
-def test_the_rtx_profile_builds_embedder_engines_as_built_only(repo):
-    """What a user does with the profile: `kiln profile rtx`, derive the DAG, `dvc repro`. The TensorRT-RTX engines
-    build on this CPU (R-Net and O-Net rebuild with their bindings reordered: the gate accepts that, and the
-    manifest says which), validate as not-run, register as `built`; promotion refuses them;
-    a second repro runs nothing. The copy is put back afterwards."""
-    saved = {f: (repo / f).read_text() for f in ("params.yaml", "dvc.yaml", "dvc.lock", "toolchain/dvc.yaml")}
-    try:
-        r = kiln(repo, "profile", "rtx")
-        assert r.returncode == 0 and "targets.tensorrt-rtx.enabled" in r.stdout, r.stdout + r.stderr
-        assert "nothing changed" in kiln(repo, "profile", "rtx").stdout
-        assert kiln(repo, "dag", "--write").returncode == 0
-        first = dvc(repo, "repro")
-        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-        built = {s for s in ran(first.stdout) if "tensorrt-rtx" in s}
-        for e in ("rnet-tensorrt-rtx-fp16", "onet-tensorrt-rtx-fp16"):
-            checked = json.loads((repo / f"artifacts/engines/{e}/{e}.manifest.json").read_text())["build"]
-            assert checked["reproducibility"]["checked"].endswith(("bit-identical", "(the builder orders a "
-                                                                   "multi-output network's bindings differently "
-                                                                   "between builds)")), checked
-        engines = ("embedder-tensorrt-rtx-fp32", "embedder-tensorrt-rtx-fp16", "embedder-tensorrt-rtx-int8")
-        assert {f"{g}@{e}" for g in ("compile", "validate", "register") for e in engines} <= built, first.stdout
-        for e in engines:
-            verdict = json.loads((repo / f"artifacts/validation/{e}/validation.json").read_text())
-            assert verdict["verdict"] == "not-run", verdict
-            receipt = json.loads((repo / f"artifacts/registry/{e}/receipt.json").read_text())
-            assert receipt["verdict"] == "not-run"
-        assert "built only" in (repo / "artifacts/reports/fallback.md").read_text()
-        refused = kiln(repo, "promote", "embedder-tensorrt-rtx-int8", "1")
-        assert refused.returncode == 1 and "no host with the runtime has validated it" in refused.stderr
-        again = dvc(repo, "repro")
-        assert again.returncode == 0 and ran(again.stdout) == {TOOLCHAIN}, again.stdout
-        assert kiln(repo, "verify", "artifacts/engines").returncode == 0
-    finally:
-        for f, text in saved.items():
-            (repo / f).write_text(text)
 
 
 @pytest.mark.slow

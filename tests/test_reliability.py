@@ -582,28 +582,6 @@ def test_interleaved_promotes_and_rollbacks_keep_a_consistent_history_over_http(
     _interleave(project, {"MLFLOW_TRACKING_URI": mlflow_server})
 
 
-@pytest.fixture
-def postgres_server():
-    """The team setup: scripts/registry-server.sh — a real PostgreSQL cluster and `mlflow server` on it, proxying
-    artifacts. Its directory must be readable by the `postgres` user when run as root (pytest's tmp dirs are not)."""
-    import tempfile
-
-    d = Path(tempfile.mkdtemp(prefix="kiln-registry-"))
-    os.chmod(d, 0o755)
-    t0 = time.perf_counter()
-    r = subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "start", str(d)], capture_output=True,
-                       text=True, timeout=300)
-    try:
-        assert r.returncode == 0, r.stdout + r.stderr
-        url = r.stdout.split("MLFLOW_TRACKING_URI=")[1].split()[0]
-        print(f"\nPostgreSQL registry server up in {time.perf_counter() - t0:.1f} s: {url}")
-        yield url
-    finally:
-        subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "stop", str(d)], capture_output=True,
-                       timeout=120)
-        shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.mark.slow
 def test_a_shared_registry_on_postgresql_serves_two_checkouts(project, postgres_server, tmp_path):
     """Two build hosts (two checkouts) and one registry on PostgreSQL: interleaved promotes and rollbacks keep one
