@@ -177,6 +177,20 @@ def test_flat_is_exact(gallery10k, queries, exact):
     assert (exact[1][:, 0] == queries[1]).mean() > 0.95
 
 
+def test_single_queries_take_the_scan_and_batches_blas_with_the_same_answers(gallery10k, queries, exact):
+    """FAISS 1.15 compares its BLAS threshold with queries × dim: one query must take the SIMD scan (BLAS was 4x
+    slower for it), a batch from BLAS_FROM_QUERIES queries BLAS — and both paths give the exact top-k."""
+    import faiss
+
+    built = ix.build("flat", gallery10k[0], threads=1)
+    d = gallery10k[0].shape[1]
+    assert faiss.cvar.distance_compute_blas_threshold == ix.BLAS_FROM_QUERIES * d
+    q = queries[0][:16]
+    one_by_one = np.concatenate([ix.search(built.index, q[i:i + 1], 10)[1] for i in range(len(q))])
+    batched = ix.search(built.index, q, 10)[1]                     # 16 × d ≥ the threshold: BLAS
+    assert ix.recall_at_k(one_by_one, batched, 10) == 1.0 and ix.recall_at_k(exact[1][:16], batched, 10) == 1.0
+
+
 def test_hnsw_recall_on_10k(gallery10k, queries, exact):
     built = ix.build("hnsw:M=32,ef=128", gallery10k[0], threads=1)
     dist, ids = ix.search(built.index, queries[0], 10)

@@ -148,7 +148,7 @@ def measure(vectors: np.ndarray, labels: np.ndarray, dist: dict, m: MatchingConf
     size = n
     qids, queries, n_golden = _queries(vectors, labels, dist, m, size)
 
-    ix.configure(m.threads)
+    ix.configure(m.threads, d)
 
     bw = ix.memory_bandwidth_gbps()
     progress(f"memory bandwidth {bw:.1f} GB/s (1 thread); exact baseline over {n} × {d}")
@@ -211,12 +211,13 @@ def match_run(cfg, size: int, root: Path = Path("."), progress: Callable[[str], 
     threshold = cfg.model(MODEL).verify_threshold
     gdir = paths.gallery(size, root)
     gman = manifest_path(gdir, name)
-    read_verified(gman, hint=f"rebuild it (dvc repro -f gallery@{size})")
+    read_verified(gman, hint=f"rebuild it (dvc repro -f {stage.address(f'gallery@{size}')})")
     vectors = np.load(gdir / "vectors.npy", allow_pickle=False)
     labels = np.load(gdir / "labels.npy", allow_pickle=False)
     dist = json.loads((gdir / "distribution.json").read_text())
     if len(vectors) != size:
-        raise KilnError(f"{gdir}: {len(vectors)} vectors, expected {size}", f"rebuild it (dvc repro -f gallery@{size})")
+        raise KilnError(f"{gdir}: {len(vectors)} vectors, expected {size}",
+                        f"rebuild it (dvc repro -f {stage.address(f'gallery@{size}')})")
     ms = measure(vectors, labels, dist, m, threshold, progress)
     curve, bandwidth, queries, built_by_key = ms.curve, ms.bandwidth, ms.queries, ms.built
     targets = cfg.section("matching", "targets")
