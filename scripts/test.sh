@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 source scripts/env.sh
-python -m pytest "$@"
+# Two workers, one test file each at a time (`--dist loadfile`): the DVC pipeline module (the whole default DAG in a
+# copy, then DVC's behaviour on it) runs on one core while the other files run on the other. KILN_TEST_WORKERS=0
+# runs everything in this process.
+python -m pytest -n "${KILN_TEST_WORKERS:-2}" --dist loadfile "$@"
