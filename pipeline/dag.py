@@ -5,9 +5,12 @@ that imports a module it does not list as a dependency, a model whose weights ar
 model or engine without its stages); `kiln dag --write` rewrites it. scripts/run.sh writes it before `dvc repro`,
 so editing params.yaml is all it takes to add a model or an engine. `kiln deps <stage>` prints one stage's deps.
 
-The always-changed toolchain probe lives in its own file, toolchain/dvc.yaml (run from the root: `wdir: ..`): DVC
-rewrites a stage's lock file after the stage runs, and the probe runs on every `dvc repro`, so its lock is kept
-small (toolchain/dvc.lock) instead of making each no-op repro parse and rewrite the whole dvc.lock.
+Each group has its own dvc.yaml under dag/ (`dag/compile/dvc.yaml`, run from the root: `wdir: ../..`), the groups
+nothing depends on (registrations, reports) are in the root dvc.yaml, and the always-changed toolchain probe in
+toolchain/dvc.yaml (pipeline/stage.py `dvcfile`): DVC rewrites a stage's whole lock file after the stage runs, so
+small lock files keep that bookkeeping from costing more than the stages. A plain `dvc repro` reproduces the root
+dvc.yaml and everything upstream of it: the whole DAG. Stages outside the root file are addressed by their file:
+`dvc repro dag/compile/dvc.yaml:compile@embedder-ort-cpu-int8` (`stage.address`).
 
 Each group is a `foreach` over its keys (models, engines, gallery sizes), so stages keep DVC's `group@key` names.
 Deps every key shares are listed once in `do:`; the rest are per-key slots `${item.depN}` (DVC accepts no list
@@ -151,7 +154,7 @@ def render(cfg) -> dict[str, str]:
     from pipeline import targets
 
     targets.check(cfg)          # target names, options and engine sources: once, before DVC runs anything
-    docs: dict[str, dict] = {"dvc.yaml": {"stages": {}}}
+    docs: dict[str, dict] = {}
     for spec in stages():
         if (body := render_stage(spec, cfg)) is not None:
             if where := os.path.dirname(spec.dvcfile):           # commands run from the project root
@@ -176,23 +179,29 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> int:
         files = render(config.load(args.params))
         stale = [f for f, text in files.items() if (Path(f).read_text() if Path(f).is_file() else "") != text]
+        # a group that has no stages any more (its last key removed from params): its dvc.yaml and lock go too
+        gone = [f.as_posix() for f in stage.dvc_files() if f.as_posix() not in files]
         if args.write:
             from pipeline.manifest import write_bytes_atomic
 
             for f in stale:
                 write_bytes_atomic(Path(f), files[f].encode())
                 print(f"kiln dag: {f} rewritten")
-            if not stale:
-                print(f"kiln dag: {', '.join(files)} up to date")
+            for f in gone:
+                Path(f).unlink()
+                Path(f).with_name("dvc.lock").unlink(missing_ok=True)
+                print(f"kiln dag: {f} removed (no stages left)")
+            if not stale and not gone:
+                print(f"kiln dag: {len(files)} dvc.yaml files up to date")
             return 0
         if args.check:
-            if stale:
-                print(f"kiln dag: {', '.join(stale)} out of date with the stage declarations / params.yaml",
+            if stale or gone:
+                print(f"kiln dag: {', '.join(stale + gone)} out of date with the stage declarations / params.yaml",
                       file=sys.stderr)
-                print(f"hint: run `kiln dag --write` (scripts/run.sh does) and commit {', '.join(stale)}",
+                print("hint: run `kiln dag --write` (scripts/run.sh does) and commit the dvc.yaml files",
                       file=sys.stderr)
                 return 1
-            print(f"kiln dag: {', '.join(files)} up to date")
+            print(f"kiln dag: {len(files)} dvc.yaml files up to date")
             return 0
         for f, text in files.items():
             sys.stdout.write(f"# ---- {f}\n{text}")

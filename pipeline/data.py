@@ -23,6 +23,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from pipeline.config import Augment, DataConfig, SetSpec
 from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
+from pipeline.stage import address
 from pipeline.models.align import Aligner, align, chip_transform, jitter
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
@@ -149,12 +150,12 @@ def load_set(directory: Path) -> ImageSet:
         chips = np.load(directory / "chips.npy", allow_pickle=False)
     except FileNotFoundError as e:
         raise KilnError(f"{directory}: image set incomplete ({Path(e.filename).name} missing)",
-                        "rebuild it: dvc repro dataset") from None
+                        f"rebuild it: dvc repro {address('dataset')}") from None
     labels = np.asarray(index["labels"], np.int64)
     digest = xxh3_128_hex(chips.tobytes() + canonical_json([index["identities"], labels.tolist()]))
     if digest != index["content_xxh3_128"]:
         raise KilnError(f"{directory}: chips do not match the content hash in index.json",
-                        "the set was modified; rebuild it: dvc repro -f dataset")
+                        f"the set was modified; rebuild it: dvc repro -f {address('dataset')}")
     return ImageSet(chips, labels, tuple(index["identities"]), index)
 
 

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from pipeline import engines, paths
+from pipeline.stage import address
 from pipeline.config import Config
 from pipeline.data import load_set, to_nchw
 from pipeline.errors import KilnError
@@ -105,7 +106,8 @@ class System:
                 chosen[model] = f"{pick.name}@production(v{version})"
                 continue
             if not paths.engine(pick.name, root).is_dir():
-                raise KilnError(f"engine {pick.name} is not built", f"build it first: dvc repro compile@{pick.name}")
+                raise KilnError(f"engine {pick.name} is not built",
+                                f"build it first: dvc repro {address(f'compile@{pick.name}')}")
             dirs[model], chosen[model] = paths.engine(pick.name, root), pick.name
         runners = {m: engines.load(cfg.engine(picks[m]).target, d, picks[m]) for m, d in dirs.items()}
         nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m]) for m in NETS)
@@ -154,7 +156,8 @@ class System:
         name = paths.gallery_name(size)
         d = paths.index(size, root)
         if not manifest_path(d, name).is_file():
-            raise KilnError(f"{d}: no matching index for a {size} gallery", f"build it: dvc repro match@{size}")
+            raise KilnError(f"{d}: no matching index for a {size} gallery",
+                            f"build it: dvc repro {address(f'match@{size}')}")
         spec = read_verified(manifest_path(d, name), fast=True)["build"]["spec"]
         read_verified(manifest_path(paths.gallery(size, root), name), fast=True)
         built = ix.deserialize((d / "index.faiss").read_bytes())

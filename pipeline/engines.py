@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from pipeline import targets
+from pipeline.stage import address
 from pipeline.errors import KilnError
 from pipeline.manifest import check_files, manifest_path, read_manifest
 
@@ -41,15 +42,16 @@ def load(target_name: str, engine_dir: Path, name: str | None = None):
         src = engine_dir / rel
         if src.is_symlink() or not src.is_file():
             tmp.cleanup()
-            raise KilnError(f"{src}: missing or not a regular file", f"rebuild the engine (dvc repro -f compile@{name})")
+            raise KilnError(f"{src}: missing or not a regular file",
+                            f"rebuild the engine (dvc repro -f {address(f'compile@{name}')})")
         shutil.copyfile(src, private / rel)
     shutil.copyfile(mpath, private / mpath.name)
     if problems := check_files(private / mpath.name, manifest, fast=True):
         tmp.cleanup()
         raise KilnError(f"{engine_dir}: engine files do not match their manifest: " + "; ".join(
             p.replace(str(private), str(engine_dir)) for p in problems[:3]),
-            f"refusing to load it (loading an engine runs native code); rebuild it (dvc repro -f compile@{name}) "
-            "or restore it (dvc checkout)")
+            "refusing to load it (loading an engine runs native code); rebuild it "
+            f"(dvc repro -f {address(f'compile@{name}')}) or restore it (dvc checkout)")
     target = targets.get(target_name)
     try:
         target.check_package(private)

@@ -48,25 +48,36 @@ def _dvc(root: Path, *args: str) -> dict:
     return json.loads(r.stdout or "{}")
 
 
-def plan(cfg, root: Path = Path("."), remote: bool = True) -> list[Row]:
-    import yaml
+def _inputs_changed(changes: list) -> bool:
+    """Did a stage's inputs change (deps, params, command)? Missing files are not a change — a checkout that has
+    not pulled its deps or outputs yet still has the lock's build, and the remote may hold it."""
+    for c in changes:
+        if not isinstance(c, dict):
+            return True                                  # "changed command", "always changed", …
+        for kind, files in c.items():
+            if kind == "changed outs" or (kind == "changed deps" and isinstance(files, dict)
+                                          and set(files.values()) <= {"deleted"}):
+                continue
+            return True
+    return False
 
-    from pipeline import targets
+
+def plan(cfg, root: Path = Path("."), remote: bool = True) -> list[Row]:
+    from pipeline import stage, targets
 
     root = Path(root)
-    lock_file = root / "dvc.lock"
-    lock = (yaml.safe_load(lock_file.read_text()) or {}).get("stages", {}) if lock_file.is_file() else {}
-    stale = set(_dvc(root, "status"))
+    lock = stage.read_locks(root)
+    stale = {stage.bare(a) for a, changes in _dvc(root, "status").items() if _inputs_changed(changes)}
     cloud = _dvc(root, "status", "--cloud") if remote else {}
     probes: dict[str, bool] = {}
     rows = []
     for name, spec in sorted(cfg.engines.items()):
         if spec.target not in probes:
             probes[spec.target] = targets.get(spec.target).probe().available
-        stage, out = f"compile@{name}", paths.engine(name).as_posix()
-        if stage not in lock:
+        compile_stage, out = f"compile@{name}", paths.engine(name).as_posix()
+        if compile_stage not in lock:
             state, why = "to build", "not in dvc.lock"
-        elif stage in stale:
+        elif compile_stage in stale:
             state, why = "to build", "its inputs, code, params or toolchain changed since dvc.lock"
         elif not remote:
             state, why = "not pushed", "built here (remote not checked)"

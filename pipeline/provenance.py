@@ -307,12 +307,14 @@ class _Walker:
 def _stage_outs(root: Path) -> dict[str, str]:
     import yaml
 
+    from pipeline.stage import read_locks
+
     try:
-        lock = yaml.load((Path(root) / "dvc.lock").read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        lock = read_locks(root)
     except (OSError, yaml.YAMLError):
         return {}
     outs = {}
-    for name, entry in ((lock or {}).get("stages") or {}).items():
+    for name, entry in lock.items():
         for o in entry.get("outs") or []:
             outs[str(o.get("path", "")).rstrip("/")] = name
     return dict(sorted(outs.items(), key=lambda kv: -len(kv[0])))      # longest (most specific) first

@@ -36,7 +36,8 @@ def rebuild(spec: stage.Stage, cfg, key: str | None, root: Path = Path("."),
         for dep in spec.deps(cfg, key):
             src, dst = root / dep, scratch / dep
             if not src.exists():
-                raise KilnError(f"{src}: input of {spec.name(key)} missing", f"build it first: dvc repro {spec.name(key)}")
+                raise KilnError(f"{src}: input of {spec.name(key)} missing",
+                                f"build it first: dvc repro {stage.address(spec.name(key))}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(src, dst)
         cmd = [sys.executable, "-m", spec.module, "--params", "params.yaml", *args, *([key] if key else [])]

@@ -18,12 +18,14 @@ import pytest
 import yaml
 
 from conftest import REPO, render_in_chromium
+from pipeline.stage import address, bare, dvc_files, read_locks
 
-TOOLCHAIN = "toolchain/dvc.yaml:toolchain"     # the always-changed probe, in its own dvc.yaml (pipeline/dag.py)
+TOOLCHAIN = "toolchain"        # the always-changed probe (toolchain/dvc.yaml); stage names below are bare names
 
 # Lock entries a rebuild cannot reproduce, and why (README: "What a fresh clone reproduces"). toolchain/dvc.lock is
 # not compared at all: it is the host's fingerprint (its CPU flags, compiler), probed on every run.
 NOT_REPRODUCIBLE = {
+    "toolchain": "the host's fingerprint: its CPU flags, compilers and packages",
     "bench@": "timings of one run",
     "match@": "the index choice follows measured latency; its verdict and curve hold timings",
     "register-index@": "depends on the matching verdict's timings",
@@ -61,8 +63,8 @@ def _copy_worktree(dest: Path) -> Path:
         if (REPO / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, dest / f)
-    (dest / "dvc.lock").unlink(missing_ok=True)
-    (dest / "toolchain/dvc.lock").unlink(missing_ok=True)
+    for f in dvc_files(dest):
+        f.with_name("dvc.lock").unlink(missing_ok=True)
     _small_galleries(dest / "params.yaml")
     _report_speed_gates(dest / "params.yaml")
     _short_bench(dest / "params.yaml")
@@ -89,19 +91,22 @@ def kiln(root: Path, *args: str, env: dict | None = None) -> subprocess.Complete
 
 
 def ran(out: str) -> set[str]:
-    return {line.split("'")[1] for line in out.splitlines() if line.startswith("Running stage '")}
+    return {bare(line.split("'")[1]) for line in out.splitlines() if line.startswith("Running stage '")}
+
+
+def restored(out: str) -> set[str]:
+    return {bare(line.split("'")[1]) for line in out.splitlines() if "is cached - skipping run" in line}
 
 
 def stale(root: Path) -> set[str]:
     r = dvc(root, "status", "--json")
     assert r.returncode == 0, r.stderr
-    return set(json.loads(r.stdout or "{}")) - {TOOLCHAIN}      # always_changed: always listed
+    return {bare(s) for s in json.loads(r.stdout or "{}")} - {TOOLCHAIN}      # always_changed: always listed
 
 
 def resolved_deps(root: Path) -> dict[str, set[str]]:
-    """Each stage's deps as DVC resolved them (from dvc.lock, which names every stage and its deps)."""
-    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
-    return {name: {d["path"] for d in s.get("deps", [])} for name, s in lock.items()}
+    """Each stage's deps as DVC resolved them (from the dvc.lock files, which name every stage and its deps)."""
+    return {name: {d["path"] for d in s.get("deps", [])} for name, s in read_locks(root).items()}
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +149,7 @@ def test_repro_builds_then_reruns_nothing(repo):
 def test_a_fresh_clone_reproduces_the_committed_lock(repo):
     """Same bytes at another path: every lock entry the copy built equals the committed one, except the declared
     non-reproducible ones — and stages whose toolchain differs on this host (another CPU: other ISA keys)."""
-    committed = yaml.safe_load((REPO / "dvc.lock").read_text())["stages"]
-    built = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    committed, built = read_locks(REPO), read_locks(repo)
 
     def target_keys(entry: dict) -> dict:        # a target's fingerprint file: this host's CPU and compilers
         return {p: v for p, v in entry.get("params", {}).items()
@@ -197,7 +201,7 @@ def changed_deps(root: Path) -> dict[str, set[str]]:
     assert r.returncode == 0, r.stderr
     return {stage: {path for change in changes if isinstance(change, dict)
                     for path in change.get("changed deps", {})}
-            for stage, changes in json.loads(r.stdout or "{}").items() if stage != TOOLCHAIN}
+            for stage, changes in ((bare(a), c) for a, c in json.loads(r.stdout or "{}").items()) if stage != TOOLCHAIN}
 
 
 @pytest.mark.slow
@@ -246,11 +250,11 @@ def test_fingerprint_change_rebuilds_only_that_target_and_a_revert_restores_from
         now = stale(repo)
         assert {f"compile@{e}" for e in repo_engines(repo, target)} <= now and f"compile@{engine}" in now
         assert all(s.startswith(("compile@", "validate@")) and f"-{target}-" in s for s in now), now
-        r = dvc(repo, "repro", "-s", f"compile@{engine}")                  # built with the "new" toolchain
+        r = dvc(repo, "repro", "-s", address(f"compile@{engine}"))         # built with the "new" toolchain
         assert r.returncode == 0 and ran(r.stdout) == {f"compile@{engine}"}, r.stdout
     finally:
         fp.write_text(original)
-    back = dvc(repo, "repro", "-s", f"compile@{engine}")                   # the old toolchain again
+    back = dvc(repo, "repro", "-s", address(f"compile@{engine}"))          # the old toolchain again
     assert back.returncode == 0 and not ran(back.stdout), back.stdout          # not compiled: restored
     assert "restored" in back.stdout.lower() or "cached" in back.stdout.lower(), back.stdout
     assert stale(repo) == set()
@@ -372,10 +376,17 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
         h = tmp_path / f"host-{name}"
         subprocess.run(["git", "clone", "-q", str(repo), str(h)], check=True)
         if lock_from is not None:               # that host's working state: params, derived DAG, locks
-            for f in ("params.yaml", "dvc.yaml", "toolchain/dvc.yaml", "dvc.lock", "toolchain/dvc.lock"):
-                shutil.copy(lock_from / f, h / f)
+            derived(lock_from, h, locks=True)
         connect(h)
         return h
+
+    def derived(src: Path, dst: Path, locks: bool) -> None:
+        for f in dvc_files(dst):
+            f.unlink()
+        for f in [src / "params.yaml", *dvc_files(src)] + ([f.with_name("dvc.lock") for f in dvc_files(src)]
+                                                           if locks else []):
+            (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(f, dst / f.relative_to(src))
 
     def ok(r: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -442,19 +453,18 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
 
         # ---- host D: no lock at all, one engine wanted
         d = host("D", None)
-        for f in ("params.yaml", "dvc.yaml", "toolchain/dvc.yaml"):
-            shutil.copy(repo / f, d / f)
-        got = ok(dvc(d, "repro", "--pull", "compile@embedder-ort-cpu-int8", env=env))
-        restored = {line.split("'")[1] for line in got.stdout.splitlines() if "is cached - skipping run" in line}
+        derived(repo, d, locks=False)
+        got = ok(dvc(d, "repro", "--pull", address("compile@embedder-ort-cpu-int8"), env=env))
+        from_cache = restored(got.stdout)
         assert ran(got.stdout) == {TOOLCHAIN}, got.stdout
         assert {"assets", "export@embedder", "calibrate@embedder", "quantize@embedder-ort",
-                "compile@embedder-ort-cpu-int8"} <= restored, got.stdout
+                "compile@embedder-ort-cpu-int8"} <= from_cache, got.stdout
         engine = "artifacts/engines/embedder-ort-cpu-int8/model.onnx"
         assert (d / engine).read_bytes() == (repo / engine).read_bytes()
         fresh = ok(kiln(d, "plan", env=env))    # D's lock holds only what it restored: the rest is to build
         assert fresh.stdout.count("| to build ") == len(engines) - 1, fresh.stdout
         assert re.search(r"\| embedder-ort-cpu-int8 +\| ort-cpu +\| yes +\| in remote", fresh.stdout), fresh.stdout
-        counts["D"] = f"ran 0 stages, restored {len(restored)} from the run cache"
+        counts["D"] = f"ran 0 stages, restored {len(from_cache)} from the run cache"
         print("\n" + "\n".join(f"host {h}: {what}" for h, what in counts.items()))
     finally:                                    # the copy's DVC config as it was: later tests run dvc there
         (repo / ".dvc/config").write_bytes(config)

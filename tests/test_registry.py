@@ -231,7 +231,7 @@ def test_register_reads_the_bench_gate_of_exactly_this_build(cfg, root, capsys):
     make_engine(root, cfg, FP32, b"fp32 rebuilt")                   # the sibling it was timed against changed
     with pytest.raises(KilnError, match="about other builds") as e:
         register(cfg, INT8, root)
-    assert "dvc repro bench@embedder" in e.value.hint
+    assert "dvc repro dag/bench/dvc.yaml:bench@embedder" in e.value.hint
     write("pass")
     assert register(cfg, INT8, root).verdict == "pass"
     assert client().get_model_version(f"kiln-{INT8}", "1").tags["bench_gate"] == "fail"

@@ -33,13 +33,23 @@ def test_the_lock_pins_that_wheel_by_sha256():
 
 
 def test_the_committed_dvc_files_are_what_the_declarations_render():
-    """dvc.yaml and toolchain/dvc.yaml are generated (`kiln dag --write`): the committed ones must be current."""
+    """dvc.yaml, dag/<group>/dvc.yaml and toolchain/dvc.yaml are generated (`kiln dag --write`): the committed ones
+    must be current, and a plain `dvc repro` (the root dvc.yaml and everything upstream) must reach every stage."""
     import sys
 
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "dag", "--check"], cwd=REPO, capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
-    assert "dvc.yaml, toolchain/dvc.yaml up to date" in r.stdout
+    assert "dvc.yaml files up to date" in r.stdout
+    import sys as _sys
+    from pathlib import Path
+
+    dvc = Path(_sys.executable).with_name("dvc")
+    everything = set(subprocess.run([str(dvc), "stage", "list", "--all", "--name-only"], cwd=REPO,
+                                    capture_output=True, text=True, check=True).stdout.split())
+    dry = subprocess.run([str(dvc), "repro", "--dry", "--force"], cwd=REPO, capture_output=True, text=True, check=True)
+    reached = {line.split("'")[1] for line in dry.stdout.splitlines() if line.startswith("Running stage '")}
+    assert reached == everything, sorted(everything - reached)
 
 
 def test_the_committed_locks_hold_only_stages_of_the_dag():
@@ -52,8 +62,13 @@ def test_the_committed_locks_hold_only_stages_of_the_dag():
     dvc = Path(sys.executable).with_name("dvc")
     names = subprocess.run([str(dvc), "stage", "list", "--all", "--name-only"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout.split()
-    for lock, prefix in (("dvc.lock", ""), ("toolchain/dvc.lock", "toolchain/dvc.yaml:")):
-        stale = {s for s in yaml.safe_load((REPO / lock).read_text())["stages"] if prefix + s not in names}
+    from pipeline import stage
+
+    locks = [f.with_name("dvc.lock") for f in stage.dvc_files(REPO)]
+    assert all(lock.is_file() for lock in locks), [str(lock) for lock in locks if not lock.is_file()]
+    for lock in locks:
+        prefix = "" if lock.parent == REPO else f"{lock.parent.relative_to(REPO).as_posix()}/dvc.yaml:"
+        stale = {s for s in yaml.safe_load(lock.read_text())["stages"] if prefix + s not in names}
         assert not stale, f"{lock}: entries of stages not in the DAG: {sorted(stale)}"
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import KilnError
+from pipeline.stage import address
 
 if TYPE_CHECKING:  # keep `import pipeline.models.<x>` free of yaml/config for GPU-side scripts
     import torch
@@ -37,5 +38,6 @@ def build(cfg: "ModelConfig", root: Path = Path(".")) -> "torch.nn.Module":
     weights = Path(root) / cfg.weights
     if not weights.is_file():
         raise KilnError(f"{weights}: weights for model {cfg.name!r} not found",
-                        "run `dvc repro assets` (or `kiln assets`), or fix models.<name>.weights in params.yaml")
+                        f"run `dvc repro {address('assets')}` (or `kiln assets`), or fix models.<name>.weights in "
+                        "params.yaml")
     return factory(weights).eval()

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import paths
+from pipeline.stage import address
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (canonical_json, identity_digest, manifest_path, read_manifest, verify_manifest,
                                write_json_atomic)
@@ -117,7 +118,8 @@ def engine_registrable(cfg, engine_name: str, root: Path = Path(".")) -> Registr
         try:
             bench = (json.loads(bench_file.read_text()).get("engines") or {}).get(engine_name) or {}
         except (ValueError, AttributeError):
-            raise KilnError(f"{bench_file}: not valid bench results", f"rerun dvc repro -f bench@{spec.model}") from None
+            raise KilnError(f"{bench_file}: not valid bench results",
+                            f"rerun dvc repro -f {address(f'bench@{spec.model}')}") from None
     tags = {"engine": engine_name, "model": spec.model, "target": spec.target, "precision": spec.precision}
     if spec.recipe:
         tags["recipe"] = spec.recipe
@@ -146,29 +148,30 @@ def _check(art: Registrable, root: Path) -> tuple[dict, dict, dict]:
     manifest = read_manifest(art.manifest_file)
     if manifest.get("kind") != art.kind or manifest.get("name") != art.name:
         raise KilnError(f"{art.manifest_file}: describes {manifest.get('kind')} {manifest.get('name')!r}, not "
-                        f"{art.kind} {art.name!r}", f"rebuild it (dvc repro -f {stage})")
+                        f"{art.kind} {art.name!r}", f"rebuild it (dvc repro -f {address(stage)})")
     for key in ("model", "target", "precision"):
         if key in art.tags and manifest.get(key) != art.tags[key]:
             raise KilnError(f"{art.manifest_file}: {key} is {manifest.get(key)!r}, params.yaml says {art.tags[key]!r}",
-                            f"the artifact is stale; rebuild it (dvc repro {stage})")
+                            f"the artifact is stale; rebuild it (dvc repro {address(stage)})")
     # Only the artifact's own files: its inputs may legitimately be absent on a runner that pulled just the engine.
     if problems := verify_manifest(art.manifest_file):
         raise GateFailed(f"{art.name}: files do not match their manifest: " + "; ".join(problems),
-                         f"rebuild it (dvc repro -f {stage}) or restore it (dvc checkout)")
+                         f"rebuild it (dvc repro -f {address(stage)}) or restore it (dvc checkout)")
     vfile = art.verdict_dir / paths.VALIDATION_FILE
     if not art.verdict_manifest.is_file():
         raise KilnError(f"{art.verdict_manifest}: missing; {art.name} has no verdict to register",
-                        f"validate it first (dvc repro {'validate@' + art.name if art.kind == 'engine' else stage})")
+                        "validate it first (dvc repro "
+                        f"{address('validate@' + art.name if art.kind == 'engine' else stage)})")
     vmanifest = read_manifest(art.verdict_manifest)
     if problems := verify_manifest(art.verdict_manifest):
         raise GateFailed(f"{art.name}: its verdict does not match its manifest (edited?): " + "; ".join(problems),
-                         "validate it again (dvc repro -f validate@<engine>)")
+                         "validate it again (kiln validate <engine>)")
     verdict = json.loads(vfile.read_text())
     ident = identity_digest(manifest)
     refs = [r.get("xxh3_128") for r in vmanifest.get("inputs", []) if r.get("role") in ("engine", "index")]
     if verdict.get("engine_manifest_xxh3_128") != ident or ident not in refs:
         raise KilnError(f"{vfile}: validated a different build of {art.name}",
-                        f"the artifact changed since its validation; rerun it (dvc repro {stage})")
+                        f"the artifact changed since its validation; rerun it (dvc repro {address(stage)})")
     if verdict.get("verdict") not in ("pass", "fail", "not-run"):
         raise KilnError(f"{vfile}: no pass / fail / not-run verdict", "validate it again")
     return manifest, vmanifest, verdict

@@ -39,7 +39,8 @@ def mtcnn_landmarker(weights: list[Path], min_face_size: int):
     """Landmarks of the most confident face, from the reference MTCNN; a photo with no face is an error."""
     missing = [str(w) for w in weights if not w.is_file()]
     if missing:
-        raise KilnError(f"MTCNN weights missing: {', '.join(missing)}", "run `dvc repro assets` (or `kiln assets`)")
+        raise KilnError(f"MTCNN weights missing: {', '.join(missing)}",
+                        f"run `dvc repro {stage.address('assets')}` (or `kiln assets`)")
     nets = mtcnn.load_nets(*weights)
     det_cfg = mtcnn.DetectorConfig(min_face_size=min_face_size)
 

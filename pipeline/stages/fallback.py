@@ -83,7 +83,7 @@ def rows(cfg, root: Path = Path(".")) -> list[dict]:
             covered.discard((spec.model, spec.target, spec.precision))   # filled by the static rows below
         else:
             out.append(_row(spec.model, spec.target, spec.precision, name, "missing", None,
-                            note="not built on this host (dvc repro compile)"))
+                            note="not built on this host"))
     engine_of = {(s.model, s.target, s.precision): n for n, s in cfg.engines.items()}
     for target in STATIC_TARGETS:
         if target not in cfg.targets:

@@ -30,7 +30,7 @@ STAGE = stage.Stage(
     # persist: DVC must not delete them before the stage runs, or every run would rewrite them
     outs=lambda cfg, key: [stage.Out(paths.toolchain_file(t).as_posix(), cache=False, persist=True)
                            for t in cfg.targets] + [stage.Out(stage.PYTHON_TOOLCHAIN, cache=False, persist=True)],
-    always_changed=True, dvcfile="toolchain/dvc.yaml")
+    always_changed=True)
 
 
 def all_packages() -> list[str]:

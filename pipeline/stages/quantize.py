@@ -95,10 +95,11 @@ def load_ranges(path: Path) -> dict:
                    and math.isfinite(r["max"]) for r in doc["tensors"].values()):
             raise TypeError("min/max must be finite numbers")
     except FileNotFoundError:
-        raise KilnError(f"{path}: calibration ranges not found", "run calibrate first (dvc repro calibrate)") from None
+        raise KilnError(f"{path}: calibration ranges not found",
+                        f"run calibrate first (dvc repro {stage.address('calibrate')})") from None
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise KilnError(f"{path}: not a valid ranges file ({e.__class__.__name__}: {e})",
-                        "rebuild it: dvc repro -f calibrate") from None
+                        f"rebuild it: dvc repro -f {stage.address('calibrate')}") from None
     return doc
 
 
@@ -127,7 +128,7 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
     if missing:
         raise KilnError(f"calibration ranges: no range for {len(missing)} of the graph's {len(needed)} activation "
                         f"tensors (e.g. {missing[0]!r})",
-                        "the ranges belong to another graph; rebuild: dvc repro -f calibrate")
+                        f"the ranges belong to another graph; rebuild: dvc repro -f {stage.address('calibrate')}")
     opts = recipe_options(recipe)
     # QDQQuantizer is what quantize_static drives after calibrating; ORT has no public entry point that takes
     # precomputed ranges. Keyword arguments, ORT pinned in the lock, and tests/test_calibrate_quantize.py fails
@@ -141,7 +142,8 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
         quantizer.quantize_model()
     except ValueError as e:
         raise KilnError(f"QDQ quantization failed: {str(e).splitlines()[0]}",
-                        "the ranges do not cover the graph; rebuild: dvc repro -f calibrate") from None
+                        "the ranges do not cover the graph; rebuild: "
+                        f"dvc repro -f {stage.address('calibrate')}") from None
     # quantize_model() appends Q/DQ nodes at the end of the graph; ORT's save_model_to_file sorts it topologically
     # (what quantize_static does). onnx.save_model on `quantized` would write a graph the ONNX checker rejects.
     quantizer.model.save_model_to_file(str(dest))
@@ -252,7 +254,7 @@ def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> Quant
         if doc.get("graph_xxh3_128") != digest:
             raise KilnError(f"{cal_dir / 'ranges.json'}: ranges were computed on pre-processed graph "
                             f"{doc.get('graph_xxh3_128')}, this export pre-processes to {digest}",
-                            f"recalibrate: dvc repro -f calibrate@{model_name}")
+                            f"recalibrate: dvc repro -f {stage.address(f'calibrate@{model_name}')}")
         onnx_path = d / "model.onnx"
         coverage = quantize_graph(pre, doc["tensors"], recipe, onnx_path)
         inv = inventory(onnx.load(str(onnx_path)))
@@ -265,7 +267,8 @@ def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> Quant
         from onnxruntime import __version__ as ort_version
 
         opts = recipe_options(recipe)
-        build = {"recipe": asdict(recipe), "onnxruntime": ort_version, "format": "QDQ", "reduce_range": recipe.reduce_range,
+        build = {"recipe": asdict(recipe), "onnxruntime": ort_version, "format": "QDQ",
+                 "reduce_range": recipe.reduce_range,
                  "weight_type": opts["weight_type"].name, "activation_type": opts["activation_type"].name,
                  "extra_options": opts["extra_options"], "op_types": quantizable_op_types(),
                  "preprocess": PREPROCESS, "calibration_method": doc.get("method")}

@@ -268,7 +268,7 @@ class AotiCpu:
                 is_link = stat.S_ISLNK(info.external_attr >> 16)
                 if name.startswith("/") or "\\" in name or ".." in parts or ":" in parts[0] or is_link:
                     raise KilnError(f"{engine_dir / PACKAGE_FILE}: unsafe entry {name!r} in the package",
-                                    "do not load it: rebuild the engine (dvc repro -f compile@<engine>)")
+                                    "do not load it: rebuild the engine (kiln compile <engine>)")
 
     # ------------------------------------------------------------------------------------------ audit
     @staticmethod

@@ -149,7 +149,7 @@ class OpenVinoCpu:
         text = (engine_dir / XML_FILE).read_text(errors="replace")
         if re.search(r"<!DOCTYPE|<!ENTITY|SYSTEM\s+[\"']", text):
             raise KilnError(f"{engine_dir / XML_FILE}: the IR declares external entities",
-                            "do not load it: rebuild the engine (dvc repro -f compile@<engine>)")
+                            "do not load it: rebuild the engine (kiln compile <engine>)")
 
     # ------------------------------------------------------------------------------------------ audit
     def audit(self, engine_dir: Path, precision: str) -> OpSupport:

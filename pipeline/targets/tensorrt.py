@@ -615,7 +615,7 @@ class TensorRT:
 
         manifests = find_manifests(Path(engine_dir))
         if not manifests:
-            raise KilnError(f"{engine_dir}: no engine manifest", "rebuild: dvc repro compile")
+            raise KilnError(f"{engine_dir}: no engine manifest", "rebuild it (kiln compile <engine>, or dvc repro)")
         decision = check_loadable(read_manifest(manifests[0]), self.probe().__dict__)
         if not decision:
             raise KilnError(f"{engine_dir}: engine not loadable on this host: " + "; ".join(decision.reasons),
