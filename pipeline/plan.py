@@ -56,7 +56,7 @@ def _inputs_changed(changes: list) -> bool:
             return True                                  # "changed command", "always changed", …
         for kind, files in c.items():
             if kind == "changed outs" or (kind == "changed deps" and isinstance(files, dict)
-                                          and set(files.values()) <= {"deleted"}):
+                                          and all(v == "deleted" for v in files.values())):
                 continue
             return True
     return False

@@ -346,6 +346,17 @@ RTX_ENGINES = ("embedder-tensorrt-rtx-fp32", "embedder-tensorrt-rtx-fp16", "embe
 OVER_ALL_ENGINES = {"fallback-table", "leaderboard"}                   # reports over every engine of the params
 
 
+def test_plan_counts_changed_params_and_code_but_not_files_a_checkout_has_not_pulled():
+    """`dvc status --json` as DVC prints it: a file dep maps to a word, params.yaml to a dict of changed keys."""
+    from pipeline.plan import _inputs_changed
+
+    assert not _inputs_changed([{"changed deps": {"artifacts/onnx/embedder.onnx": "deleted"}},
+                                {"changed outs": {"artifacts/engines/x": "deleted"}}])
+    assert _inputs_changed([{"changed deps": {"params.yaml": {"engines.x": "modified"}}}])
+    assert _inputs_changed([{"changed deps": {"a": "deleted", "pipeline/plan.py": "modified"}}])
+    assert _inputs_changed(["changed command"])
+
+
 @pytest.mark.slow
 def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_server):
     """The team setup on loopback: a real OpenSSH server as the shared DVC remote (scripts/remote-server.sh) and a
