@@ -49,8 +49,10 @@ STAGE = stage.Stage(
     params=lambda cfg, key: ["bench", f"models.{key}"],
     dynamic=lambda cfg, key: [models.factory_module(cfg.model(key)),
                               *sorted({targets.module(e.target) for e in _engines(cfg, key)})],
-    outs=lambda cfg, key: [stage.Out((paths.bench(key) / paths.BENCH_FILE).as_posix(), cache=False, kind="metrics"),
-                           stage.Out(manifest_path(paths.bench(key), key).as_posix(), cache=False),
+    # cached, like every output a later stage reads: a host that adds an engine of another model pulls this record
+    # for the leaderboard (`dvc repro --pull`); an uncached output exists only on the host that made it
+    outs=lambda cfg, key: [stage.Out((paths.bench(key) / paths.BENCH_FILE).as_posix(), kind="metrics"),
+                           stage.Out(manifest_path(paths.bench(key), key).as_posix()),
                            stage.Out(benchgate.directory(key).as_posix())])
 
 @dataclass(frozen=True)

@@ -31,7 +31,9 @@ STAGE = stage.Stage(
     "fallback-table", "pipeline.stages.fallback",
     "native vs fallback compute nodes per model × target × precision (built engines' audits; static for tensorrt)",
     deps=lambda cfg, key: [paths.engine(e).as_posix() for e in cfg.engines]
-    + ([(paths.reports() / "trt-audit").as_posix()] if trt_audit.TARGET in cfg.targets else []),
+    # each audit report by its own path: `dvc repro --pull` fetches a missing dep as an output, which a directory
+    # holding outputs is not
+    + [trt_audit.report_path(m).as_posix() for m in trt_audit.STAGE.keys(cfg)],
     params=lambda cfg, key: ["engines", "targets"],
     outs=lambda cfg, key: [stage.Out((paths.reports() / "fallback.md").as_posix(), cache=False),
                            stage.Out((paths.reports() / "fallback.json").as_posix(), cache=False, kind="plots",

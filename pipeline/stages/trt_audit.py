@@ -32,7 +32,7 @@ STAGE = stage.Stage(
     keys=lambda cfg: list(cfg.models) if TARGET in cfg.targets else [],
     deps=lambda cfg, key: [paths.export(key).as_posix(), *_int8_source(cfg, key)],
     params=lambda cfg, key: [f"targets.{TARGET}.static_audit"],
-    outs=lambda cfg, key: [stage.Out(report_path(key).as_posix(), cache=False)])
+    outs=lambda cfg, key: [stage.Out(report_path(key).as_posix())])   # cached: another host pulls it for fallback-table
 
 
 @dataclass(frozen=True)
