@@ -21,6 +21,15 @@ from pipeline.manifest import verify_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Test files in this order, each on one xdist worker (scripts/test.sh: `--dist loadfile --no-loadscope-reorder`):
+# the default DAG build first (the longest chain: it, then the tests on it), the build-hosts test, which needs that
+# build, last — by then the other worker has run everything else.
+FIRST, LAST = "test_dvc_pipeline.py", "test_build_hosts.py"
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: {FIRST: 0, LAST: 2}.get(item.path.name, 1))    # stable: file order kept within
+
 
 @pytest.fixture(scope="session")
 def assets_dir(tmp_path_factory, cfg) -> Path:
