@@ -55,9 +55,10 @@ STAGE = stage.Stage(
     keys=lambda cfg: [str(s) for s in cfg.matching.gallery_sizes],
     deps=lambda cfg, key: [paths.gallery(int(key)).as_posix()],
     params=lambda cfg, key: [*(f"matching.{k}" for k in PARAMS), f"models.{MODEL}.verify_threshold"],
+    # all cached: register-index@ and `kiln registry sync` read the verdict on whichever host pulled it
     outs=lambda cfg, key: [stage.Out(paths.index(int(key)).as_posix()),
-                           stage.Out(paths.matching(int(key)).as_posix(), cache=False),
-                           stage.Out(paths.curve(int(key)).as_posix(), cache=False, kind="plots",
+                           stage.Out(paths.matching(int(key)).as_posix()),
+                           stage.Out(paths.curve(int(key)).as_posix(), kind="plots",
                                      plot={"x": "p50_ms_b1", "y": "recall@1",
                                            "title": f"gallery {key} — recall@1 vs batch-1 p50 (ms)"})])
 
