@@ -72,6 +72,29 @@ def test_the_committed_locks_hold_only_stages_of_the_dag():
         assert not stale, f"{lock}: entries of stages not in the DAG: {sorted(stale)}"
 
 
+def test_what_a_stage_reads_another_host_can_pull():
+    """`dvc repro --pull` on a host that lacks a dep fetches it as an output from the shared remote: so every dep
+    that another stage writes is a cached output, named by its own path (not a folder holding several). The one
+    exception is by design: the toolchain probe's fingerprint files, which every host writes for itself."""
+    from dvc.repo import Repo
+
+    from pipeline import stage
+
+    with Repo(str(REPO)) as repo:
+        stages = list(repo.index.stages)
+    outs = {o.def_path: (st.addressing, o.use_cache) for st in stages for o in st.outs}
+    probe = {p for p, (writer, _) in outs.items() if stage.bare(writer) == "toolchain"}
+    assert probe, "the toolchain probe's outputs are not where this test looks"
+    bad = []
+    for st in stages:
+        for d in st.deps:
+            if d.def_path in outs and not outs[d.def_path][1] and d.def_path not in probe:
+                bad.append(f"{st.addressing} reads {d.def_path}, an uncached output of {outs[d.def_path][0]}")
+            elif d.def_path not in outs and any(o.startswith(d.def_path.rstrip("/") + "/") for o in outs):
+                bad.append(f"{st.addressing} reads the folder {d.def_path}, which holds outputs of other stages")
+    assert not bad, bad
+
+
 def test_setup_refuses_an_unknown_profile():
     r = subprocess.run(["bash", "scripts/setup.sh", "--profile", "../lockfiles/main"], cwd=REPO, capture_output=True,
                        text=True)
