@@ -127,12 +127,28 @@ class ExportConfig:
     parity: Parity
 
 
+# A calibration method: minmax, entropy, or percentile-<p> (p in [90, 100], e.g. percentile-99.999).
+CalibrationMethod = Annotated[StrictStr, Field(pattern=r"^(minmax|entropy|percentile-\d{2,3}(\.\d+)?)$")]
+
+
 @frozen
 class CalibrateConfig:
-    method: Literal["minmax", "percentile", "entropy"]
-    percentile: Annotated[Float, Field(ge=90, le=100)]
+    # Every candidate's ranges are computed (one streamed pass for min/max, one for the histograms); each candidate's
+    # INT8 model (recipe `select_recipe`) is judged by the model's face-task gate and the best one is the calibration
+    # every recipe and target uses (pipeline/stages/calibrate.py). One candidate = that method, still judged.
+    candidates: Annotated[tuple[CalibrationMethod, ...], Field(min_length=1)]
+    select_recipe: Slug
     bins: Annotated[StrictInt, Field(ge=256)]
     batch: Count
+
+    @model_validator(mode="after")
+    def _candidates(self):
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError("candidates must be distinct")
+        for c in self.candidates:
+            if c.startswith("percentile-") and not 90 <= float(c.partition("-")[2]) <= 100:
+                raise ValueError(f"{c}: a percentile must be in [90, 100]")
+        return self
 
 
 @frozen
@@ -371,6 +387,13 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
             if m not in p.quantize.models:
                 bad.append((f"quantize.recipes.{name}.models", f"{m!r} is not in quantize.models",
                             f"quantized models: {', '.join(p.quantize.models)}"))
+    sel = p.calibrate.select_recipe
+    if sel not in recipes:
+        bad.append(("calibrate.select_recipe", f"no recipe named {sel!r}",
+                    f"name one of quantize.recipes: {', '.join(sorted(recipes))}"))
+    elif p.quantize.recipes[sel].models is not None or p.quantize.recipes[sel].float_nodes:
+        bad.append(("calibrate.select_recipe", f"recipe {sel!r} is scoped to some models or keeps nodes in float",
+                    "judge calibrations with a plain full-INT8 recipe that applies to every model (e.g. ort)"))
     for key in ("quantize", "program"):
         for m in getattr(p, key).models:
             if m not in models:

@@ -28,10 +28,6 @@ from pipeline import paths, stage
 from pipeline.errors import KilnError
 from pipeline.manifest import manifest_path, read_verified
 
-KEY_METRIC = {"chips": ("cosine_min", 1), "aligner": ("pixel_mae", -1), "pnet": ("box_iou_min", 1),
-              "rnet": ("box_iou_min", 1), "onet": ("box_iou_min", 1)}    # (metric, +1 higher is better)
-
-
 @dataclass(frozen=True)
 class Trial:
     float_nodes: tuple[str, ...]
@@ -75,13 +71,12 @@ def search(cfg, model: str, recipe_name: str, root: Path = Path("."), max_float:
            progress: Callable[[str], None] = print, ranking: list[str] | None = None) -> MixedResult:
     """The search; `ranking` given skips computing one (its names must be nodes of the pre-processed graph)."""
     import onnx
-    import onnxruntime as ort
 
     from pipeline.compare import compare
     from pipeline.samples import stream
     from pipeline.stages.calibrate import preprocess, quantizable_op_types
     from pipeline.stages.quantize import load_ranges, quantize_graph
-    from pipeline.stages.validate import evaluate_model
+    from pipeline.stages.validate import KEY_METRIC, OnnxRunner, evaluate_model
 
     if model not in cfg.quantize.models:
         raise KilnError(f"{cfg.source}: {model!r} is not in quantize.models", "quantize it first")
@@ -95,18 +90,6 @@ def search(cfg, model: str, recipe_name: str, root: Path = Path("."), max_float:
     read_verified(manifest_path(export_dir, model))
     read_verified(manifest_path(cal_dir, model))
     metric, sign = KEY_METRIC[cfg.model(model).samples]
-
-    class _Runner:
-        def __init__(self, path: Path) -> None:
-            so = ort.SessionOptions()
-            so.log_severity_level = 3
-            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-        def run(self, x):
-            return self.session.run(None, {self.session.get_inputs()[0].name: x})[0]
-
-        def run_all(self, feed):
-            return self.session.run(None, feed)
 
     with tempfile.TemporaryDirectory(prefix="kiln-mixed-") as tmp:
         work = Path(tmp)
@@ -126,7 +109,7 @@ def search(cfg, model: str, recipe_name: str, root: Path = Path("."), max_float:
                 dest = work / "candidate.onnx"
                 recipe = dataclasses.replace(base, float_nodes=tuple(nodes))
                 quantize_graph(pre, doc["tensors"], recipe, dest)
-                metrics, failures, _, _ = evaluate_model(cfg, model, _Runner(dest), root)
+                metrics, failures, _, _ = evaluate_model(cfg, model, OnnxRunner(dest), root)
                 cache[key] = Trial(tuple(nodes), {k: v for k, v in metrics.items() if not isinstance(v, list)},
                                    failures)
                 progress(f"  float {list(nodes) or 'none'}: {metric} {metrics.get(metric)}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -72,8 +73,7 @@ def test_entropy_ignores_the_zeros_of_a_relu(cfg):
     rng = np.random.default_rng(4)
     x = np.maximum(rng.normal(0, 1, 200_000), 0)
     hist, amax = _abs_hist(x, 2048)
-    ccfg = dataclasses.replace(cfg.calibrate, method="entropy")
-    assert calibrate.threshold(ccfg, hist, int(np.sum(x == 0)), amax) > 3.0      # σ = 1: keeps all but the far tail
+    assert calibrate.threshold("entropy", hist, int(np.sum(x == 0)), amax) > 3.0      # σ = 1: keeps all but the far tail
     # the failure the exclusion avoids: with the zeros in, KL clips ~5 % of the positive values
     assert calibrate.entropy_threshold(hist, amax, max_clipped=None) < 2.5
 
@@ -131,25 +131,75 @@ def test_calibration_artifact_records_ranges_and_provenance(calibrated, built, c
     assert verify_manifest(manifest, root=built) == []
     m = read_manifest(manifest)
     ranges = json.loads((d / "ranges.json").read_text())
-    assert m["kind"] == "calibration" and {i["role"] for i in m["inputs"]} == {"onnx", "calibration_set"}
-    assert ranges["method"] == cfg.calibrate.method == m["results"]["method"]
+    assert m["kind"] == "calibration"
+    assert {i["role"] for i in m["inputs"]} == {"onnx", "calibration_set", "golden", "golden_set"}
+    assert ranges["method"] == calibrated.method == m["results"]["method"] in cfg.calibrate.candidates
+    assert set(ranges["candidates"]) == set(cfg.calibrate.candidates)
+    assert ranges["tensors"] == ranges["candidates"][ranges["method"]]
     assert set(ranges["tensors"]) == set(ranges["minmax"]) and len(ranges["tensors"]) == calibrated.tensors > 50
     assert calibrated.samples == m["results"]["samples"] == len(load_set(paths.data_set("calibration", built)).chips)
-    for name, r in ranges["tensors"].items():        # a clipped range lies inside min/max
-        mm = ranges["minmax"][name]
-        assert mm["min"] <= r["min"] <= r["max"] <= mm["max"], name
-    # the configured method (percentile) really moves ranges: not silently min/max
-    assert m["results"]["differs_from_minmax"]["fraction"] > 0.5
+    for method, cand in ranges["candidates"].items():
+        for name, r in cand.items():                 # a clipped range lies inside min/max
+            mm = ranges["minmax"][name]
+            assert mm["min"] <= r["min"] <= r["max"] <= mm["max"], (method, name)
+        # a histogram method really moves ranges: not silently min/max
+        assert (calibrate.differs(cand, ranges["minmax"]) / len(cand) > 0.5) == (method != "minmax"), method
+
+
+def test_the_calibration_is_chosen_by_the_face_task_gate_and_every_result_is_kept(calibrated, built, cfg):
+    """Every candidate is judged and recorded; the chosen one is the rule's best; its numbers are the gate's own
+    numbers for the INT8 model quantize@ builds from it (the same ranges, the same recipe)."""
+    from pipeline.stages.validate import KEY_METRIC, OnnxRunner, evaluate_model
+
+    d = paths.calibration("embedder", built)
+    sel = json.loads((d / "selection.json").read_text())
+    assert [t["method"] for t in sel["trials"]] == list(cfg.calibrate.candidates) == [t.method for t in
+                                                                                       calibrated.trials]
+    metric, sign = KEY_METRIC["chips"]
+    assert sel["metric"] == metric and sel["recipe"] == cfg.calibrate.select_recipe
+    assert sel["chosen"] == calibrated.method == calibrate.choose(calibrated.trials, metric, sign).method
+    values = {t["method"]: t["metrics"][metric] for t in sel["trials"]}
+    passing = [m for t in sel["trials"] if t["passed"] for m in [t["method"]]]
+    assert sel["chosen"] in passing and values[sel["chosen"]] == max(values[m] for m in passing)
+    assert len(set(values.values())) > 1                 # the candidates really differ on the gate
+    q = quantize.run(cfg, "embedder", cfg.calibrate.select_recipe, built)
+    metrics, failures, _, _ = evaluate_model(cfg, "embedder", OnnxRunner(q.onnx_path), built)
+    chosen = next(t for t in sel["trials"] if t["method"] == sel["chosen"])
+    assert round(metrics[metric], 6) == chosen["metrics"][metric] and failures == chosen["failures"]
+
+
+def test_choice_rule_pass_first_then_key_metric_then_order():
+    T = calibrate.Trial
+    trials = [T("minmax", {"m": 0.99}, ["fails"], 0), T("entropy", {"m": 0.95}, [], 5),
+              T("percentile-99.9", {"m": 0.97}, [], 5), T("percentile-99.99", {"m": 0.97}, [], 5)]
+    assert calibrate.choose(trials, "m", 1).method == "percentile-99.9"       # passing first; tie → listed first
+    assert calibrate.choose(trials, "m", -1).method == "entropy"              # lower is better
+    failing = [T("a", {"m": float("nan")}, ["x"], 0), T("b", {"m": 0.5}, ["x"], 0), T("c", {}, ["x"], 0)]
+    assert calibrate.choose(failing, "m", 1).method == "b"                     # none pass: best metric, NaN last
+    assert calibrate.choose(failing, "m", -1).method == "b"
+
+
+def test_a_method_that_breaks_the_gate_is_not_chosen_even_listed_first(built, cfg, tmp_path):
+    """percentile-90 clips a tenth of every tensor: its INT8 embedder fails the gate, so minmax wins."""
+    (tmp_path / "artifacts").mkdir()
+    for sub in ("export", "data", "golden"):
+        (tmp_path / "artifacts" / sub).symlink_to(built / "artifacts" / sub)
+    two = cfg.replace(calibrate=dataclasses.replace(cfg.calibrate, candidates=("percentile-90", "minmax")))
+    r = calibrate.run(two, "embedder", tmp_path, progress=_quiet)
+    bad, good = r.trials
+    assert bad.method == "percentile-90" and not bad.passed and good.passed and r.method == "minmax"
+    sel = json.loads((paths.calibration("embedder", tmp_path) / "selection.json").read_text())
+    assert sel["chosen"] == "minmax" and not sel["trials"][0]["passed"] and sel["trials"][0]["failures"]
 
 
 def test_batch_size_does_not_change_ranges(preprocessed, subset, cfg):
     """Streaming: only running min/max and fixed-bin counts are kept, so the batch size changes nothing."""
     got = {}
     for batch in (4, 16):
-        ccfg = dataclasses.replace(cfg.calibrate, method="percentile", batch=batch)
+        ccfg = dataclasses.replace(cfg.calibrate, candidates=("percentile-99.999", "entropy"), batch=batch)
         got[batch], _ = calibrate.compute_ranges(preprocessed, subset, ccfg, progress=_quiet)
     assert got[4]["minmax"] == got[16]["minmax"]
-    assert got[4]["tensors"] == got[16]["tensors"]
+    assert got[4]["candidates"] == got[16]["candidates"]
 
 
 def test_session_never_sees_more_than_one_batch(preprocessed, subset, cfg, monkeypatch):
@@ -162,20 +212,21 @@ def test_session_never_sees_more_than_one_batch(preprocessed, subset, cfg, monke
             yield x
 
     monkeypatch.setattr(calibrate, "_batches", spy)
-    calibrate.compute_ranges(preprocessed, subset[:10], dataclasses.replace(cfg.calibrate, method="entropy", batch=4),
+    calibrate.compute_ranges(preprocessed, subset[:10], dataclasses.replace(cfg.calibrate, candidates=("entropy",), batch=4),
                              progress=_quiet)
     assert seen == [4, 4, 2] * 2                         # two passes, each streamed in batches of ≤ 4
 
 
-@pytest.mark.parametrize("method", ["percentile", "entropy"])
+@pytest.mark.parametrize("method", ["percentile-99.999", "entropy"])
 def test_histogram_methods_differ_from_minmax(preprocessed, subset, cfg, method):
-    ccfg = dataclasses.replace(cfg.calibrate, method=method)
+    ccfg = dataclasses.replace(cfg.calibrate, candidates=(method,))
     ranges, _ = calibrate.compute_ranges(preprocessed, subset, ccfg, progress=_quiet)
-    changed = calibrate.differs(ranges["tensors"], ranges["minmax"])
-    assert changed / len(ranges["tensors"]) > 0.5, (method, changed)
-    plain, _ = calibrate.compute_ranges(preprocessed, subset, dataclasses.replace(ccfg, method="minmax"),
+    assert list(ranges["candidates"]) == [method]
+    changed = calibrate.differs(ranges["candidates"][method], ranges["minmax"])
+    assert changed / len(ranges["minmax"]) > 0.5, (method, changed)
+    plain, _ = calibrate.compute_ranges(preprocessed, subset, dataclasses.replace(ccfg, candidates=("minmax",)),
                                         progress=_quiet)
-    assert plain["tensors"] == plain["minmax"] == ranges["minmax"]
+    assert plain["candidates"]["minmax"] == plain["minmax"] == ranges["minmax"]
 
 
 # ---------------------------------------------------------------------------------------------- quantize stage
@@ -263,7 +314,8 @@ def test_ranges_of_another_graph_are_refused(quantized, built, cfg, tmp_path):
     cal = paths.calibration("embedder", root)
     cal.mkdir(parents=True)
     src = paths.calibration("embedder", built)
-    (cal / "embedder.manifest.json").write_bytes((src / "embedder.manifest.json").read_bytes())
+    for f in ("embedder.manifest.json", "selection.json"):
+        (cal / f).write_bytes((src / f).read_bytes())
     ranges = json.loads((src / "ranges.json").read_text())
     ranges["graph_xxh3_128"] = "0" * 32
     (cal / "ranges.json").write_text(json.dumps(ranges))
@@ -272,7 +324,7 @@ def test_ranges_of_another_graph_are_refused(quantized, built, cfg, tmp_path):
     from pipeline.manifest import file_digests
 
     m = json.loads((cal / "embedder.manifest.json").read_text())                  # a consistent but foreign one
-    m["files"] = [{**f, **file_digests(cal / "ranges.json")} for f in m["files"]]
+    m["files"] = [{**f, **file_digests(cal / Path(f["path"]).name)} for f in m["files"]]
     (cal / "embedder.manifest.json").write_text(json.dumps(m))
     with pytest.raises(KilnError, match="ranges were computed on pre-processed graph"):
         quantize.run(cfg, "embedder", "ort", root)
@@ -306,7 +358,8 @@ def test_detector_calibration_is_streamed_in_batches_and_cites_what_it_read(buil
     assert r.samples == sum(sizes)
     m = read_manifest(paths.calibration("rnet", built) / "rnet.manifest.json")
     roles = {i["role"] for i in m["inputs"]}
-    assert roles == {"onnx", "photo", "detector_weights"} and m["build"]["batch"] == 16
+    assert roles == {"onnx", "photo", "detector_weights", "golden"} and m["build"]["batch"] == 16
+    assert m["results"]["selection"]["metric"] == "box_iou_min"
 
 
 def test_a_failing_ort_optimizer_is_not_swallowed(built, tmp_path, monkeypatch):

@@ -37,6 +37,12 @@ def test_repository_params_load():
     (lambda r: r["models"].update({"a b": r["models"]["aligner"]}), "models.a b"),
     (lambda r: r["quantize"]["recipes"].update({"x/y": r["quantize"]["recipes"]["ort"]}), "quantize.recipes.x/y"),
     (lambda r: r.update(extra_section={}), "extra_section: unknown key"),
+    (lambda r: r["calibrate"].update(candidates=["minmax", "kl"]), "calibrate.candidates.1"),
+    (lambda r: r["calibrate"].update(candidates=["percentile-85"]), "calibrate: Value error, percentile-85"),
+    (lambda r: r["calibrate"].update(candidates=["entropy", "entropy"]), "candidates must be distinct"),
+    (lambda r: r["calibrate"].update(candidates=[]), "calibrate.candidates"),
+    (lambda r: r["calibrate"].update(select_recipe="fp4"), "calibrate.select_recipe: no recipe named 'fp4'"),
+    (lambda r: r["calibrate"].update(select_recipe="ort-float-fc"), "calibrate.select_recipe: recipe 'ort-float-fc'"),
     (lambda r: r["engines"]["embedder-ort-cpu-fp32"].update(name="other"), "embedder-ort-cpu-fp32.name"),
 ])
 def test_bad_values_name_file_and_key(tmp_path, mutate, key):

@@ -15,10 +15,10 @@ entropy) adds every batch into a fixed `calibrate.bins`-bin histogram of |x| ove
 add exactly, so the result does not depend on the batch size. ORT's calibrators are not used: their `collect_data`
 keeps every batch's outputs until `compute_data`.
 
-Methods (the chosen one is `tensors` in ranges.json; the plain min/max is always stored beside it as `minmax`):
+Methods — `calibrate.candidates`, every one computed from the same two passes:
 
 * minmax — the observed min and max.
-* percentile — threshold t at the `calibrate.percentile` of |x| (upper edge of the bin the percentile falls in);
+* percentile-<p> — threshold t at the p-th percentile of |x| (upper edge of the bin the percentile falls in);
   range [max(min, -t), min(max, t)], so a non-negative (post-ReLU) tensor gets [0, t], as ORT's percentile does.
 * entropy — TensorRT's KL-divergence search (Migacz, GTC 2017): for every candidate i ≥ 128 bins, P = hist[:i] with
   the outliers folded into its last bin, Q = hist[:i] merged into 128 levels and spread back over P's non-zero bins;
@@ -32,10 +32,18 @@ Methods (the chosen one is `tensors` in ranges.json; the plain min/max is always
   - no candidate may clip more than 0.1 % of a tensor's values (MAX_CLIPPED). KL(P‖Q) does not see clipping error
     when a tensor's mass sits away from zero: the embedder's global-average-pool output (all values in ~[0.4, 2.3])
     was clipped below 99.99 % of its values and the INT8 golden cosine collapsed (tests keep the guard honest).
+
+The choice is data, not habit: each candidate's ranges quantize the graph with recipe `calibrate.select_recipe`
+(the quantize stage's own code), the INT8 model runs on ONNX Runtime's CPU kernels through the model's face-task
+gate (validate@'s own metrics and limits: the embedder's golden cosine / identities / decisions, the detector
+cascade for an MTCNN net), and the best one is kept — passing before failing, then the gate's key metric
+(validate.KEY_METRIC), then the order of `candidates`. ranges.json holds every candidate's ranges and `tensors`,
+the chosen ones (what quantize@ reads); selection.json holds every candidate's gate result and the rule.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import tempfile
@@ -57,10 +65,13 @@ from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_p
 
 STAGE = stage.Stage(
     "calibrate", "pipeline.stages.calibrate",
-    "activation ranges of the FP32 ONNX on the calibration set (streamed), reused by every recipe/target",
+    "activation ranges of the FP32 ONNX on the calibration set (streamed), each candidate method judged by the "
+    "face-task gate; the best is reused by every recipe/target",
     keys=lambda cfg: list(cfg.quantize.models),
-    deps=lambda cfg, key: [paths.export(key).as_posix(), *samples.deps(cfg, key, "calibration")],
-    params=lambda cfg, key: ["calibrate", *samples.params(cfg, key)],
+    deps=lambda cfg, key: list(dict.fromkeys([paths.export(key).as_posix(), *samples.deps(cfg, key, "calibration"),
+                                              paths.golden(key).as_posix(), *samples.deps(cfg, key, "golden")])),
+    params=lambda cfg, key: ["calibrate", f"quantize.recipes.{cfg.calibrate.select_recipe}", "validate",
+                             f"models.{key}", *samples.params(cfg, key)],
     outs=lambda cfg, key: [stage.Out(paths.calibration(key).as_posix())])
 
 QUANTIZED_LEVELS = 128          # int8: 128 levels on each side of zero
@@ -72,13 +83,28 @@ _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
 
 
 @dataclass(frozen=True)
+class Trial:
+    """One candidate method's INT8 model on the model's face-task gate."""
+    method: str
+    metrics: dict[str, float]
+    failures: list[str]
+    differs_from_minmax: int       # tensors whose range moves an end by > DIFFERS_REL of max |x|
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass(frozen=True)
 class CalibrationResult:
     directory: Path
-    method: str
+    method: str                    # the chosen candidate
     tensors: int
     samples: int
     differs_fraction: float        # share of tensors whose chosen range differs from min/max by > 1 %
     seconds: dict[str, float]      # per pass
+    trials: list[Trial]
+    metric: str                    # the gate's key metric that ranked them
 
 
 # ---------------------------------------------------------------------------------------------- graph
@@ -265,11 +291,12 @@ def entropy_threshold(hist: np.ndarray, amax: float, levels: int = QUANTIZED_LEV
     return float(min(amax, i * amax / hist.size))
 
 
-def threshold(ccfg: CalibrateConfig, hist: np.ndarray, zeros: int, amax: float) -> float:
-    """The |x| threshold of `ccfg.method` from a tensor's |x| histogram and its count of exact zeros."""
-    if ccfg.method == "percentile":
-        return percentile_threshold(hist, amax, ccfg.percentile)
-    if ccfg.method == "entropy":
+def threshold(method: str, hist: np.ndarray, zeros: int, amax: float) -> float:
+    """The |x| threshold of candidate `method` (minmax | entropy | percentile-<p>) from a tensor's |x| histogram and
+    its count of exact zeros."""
+    if method.startswith("percentile-"):
+        return percentile_threshold(hist, amax, float(method.partition("-")[2]))
+    if method == "entropy":
         # Exact zeros (half of every post-ReLU tensor) are exact at any threshold, but as a spike in bin 0 they
         # would make every candidate wider than 128 bins look lossy (the spike smeared over a merged level).
         nonzero = np.array(hist, np.int64)
@@ -297,7 +324,7 @@ def differs(chosen: dict[str, dict[str, float]], minmax: dict[str, dict[str, flo
 def compute_ranges(model_path: Path, chips, ccfg: CalibrateConfig,
                    progress: Callable[[str], None] = print, label: str = "calibrate") -> tuple[dict, dict]:
     """Stream `chips` (uint8 chips or a sequence of feeds) through `model_path` (pre-processed)
-    → (ranges.json content without graph digest, timings)."""
+    → ({"candidates": {method: ranges}, "minmax": ranges, "samples": n}, timings)."""
     import onnxruntime as ort
 
     model = onnx.load(str(model_path))
@@ -310,27 +337,63 @@ def compute_ranges(model_path: Path, chips, ccfg: CalibrateConfig,
     def run_batch(feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         return sess.run(tensors, feed)
 
+    histogram_methods = [m for m in ccfg.candidates if m != "minmax"]
     seconds = {}
     t0 = time.perf_counter()
     lo, hi, count = collect_minmax(run_batch, chips, ccfg.batch, len(tensors))
     seconds["minmax"] = round(time.perf_counter() - t0, 3)
-    progress(f"{label}: pass 1/{1 if ccfg.method == 'minmax' else 2} min/max: {len(tensors)} tensors × "
+    progress(f"{label}: pass 1/{2 if histogram_methods else 1} min/max: {len(tensors)} tensors × "
              f"{count} samples in {seconds['minmax']:.1f} s")
     minmax = {t: {"min": float(lo[k]), "max": float(hi[k])} for k, t in enumerate(tensors)}
-    chosen = minmax
-    if ccfg.method != "minmax":
+    candidates = {"minmax": minmax} if "minmax" in ccfg.candidates else {}
+    if histogram_methods:
         t0 = time.perf_counter()
         amax = np.maximum(np.abs(lo), np.abs(hi))
         hist, zeros = collect_histograms(run_batch, chips, ccfg.batch, amax, ccfg.bins)
-        chosen = {}
-        for k, t in enumerate(tensors):
-            th = threshold(ccfg, hist[k], int(zeros[k]), float(amax[k]))
-            a, b = clip_range(float(lo[k]), float(hi[k]), th)
-            chosen[t] = {"min": a, "max": b}
-        seconds[ccfg.method] = round(time.perf_counter() - t0, 3)
-        progress(f"{label}: pass 2/2 {ccfg.method} ({ccfg.bins} bins): {len(tensors)} tensors × {count} "
-                 f"samples in {seconds[ccfg.method]:.1f} s")
-    return {"method": ccfg.method, "tensors": chosen, "minmax": minmax, "samples": count}, seconds
+        for method in histogram_methods:
+            ranges = {}
+            for k, t in enumerate(tensors):
+                a, b = clip_range(float(lo[k]), float(hi[k]), threshold(method, hist[k], int(zeros[k]),
+                                                                        float(amax[k])))
+                ranges[t] = {"min": a, "max": b}
+            candidates[method] = ranges
+        seconds["histograms"] = round(time.perf_counter() - t0, 3)
+        progress(f"{label}: pass 2/2 histograms ({ccfg.bins} bins) → {', '.join(histogram_methods)}: "
+                 f"{len(tensors)} tensors × {count} samples in {seconds['histograms']:.1f} s")
+    return {"candidates": {m: candidates[m] for m in ccfg.candidates}, "minmax": minmax, "samples": count}, seconds
+
+
+def choose(trials: list[Trial], metric: str, sign: int) -> Trial:
+    """Passing before failing, then the key metric (better first; a missing or non-finite one last), then order."""
+    def key(i: int):
+        v = trials[i].metrics.get(metric)
+        v = float(v) if isinstance(v, (int, float)) and np.isfinite(v) else -np.inf * sign
+        return (not trials[i].passed, -sign * v, i)
+
+    return trials[min(range(len(trials)), key=key)]
+
+
+def judge(cfg, model_name: str, pre: Path, candidates: dict[str, dict], minmax: dict, root: Path,
+          progress: Callable[[str], None] = print, label: str = "calibrate") -> list[Trial]:
+    """Each candidate's INT8 model (recipe calibrate.select_recipe) through the model's face-task gate."""
+    from pipeline.stages.quantize import quantize_graph
+    from pipeline.stages.validate import KEY_METRIC, OnnxRunner, evaluate_model
+
+    recipe = cfg.recipes[cfg.calibrate.select_recipe]
+    metric = KEY_METRIC[cfg.model(model_name).samples][0]
+    trials = []
+    with tempfile.TemporaryDirectory(prefix="kiln-calibrate-judge-") as tmp:
+        for method, ranges in candidates.items():
+            dest = Path(tmp) / f"{method}.onnx"
+            quantize_graph(pre, ranges, recipe, dest)
+            metrics, failures, _, _ = evaluate_model(cfg, model_name, OnnxRunner(dest), root)
+            dest.unlink()
+            trial = Trial(method, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()
+                                   if isinstance(v, (int, float))}, failures, differs(ranges, minmax))
+            trials.append(trial)
+            progress(f"{label}: {method:>18}: {metric} {trial.metrics.get(metric)} — "
+                     + ("pass" if trial.passed else "fail: " + "; ".join(failures)))
+    return trials
 
 
 def run(cfg, model_name: str, root: Path = Path("."), progress: Callable[[str], None] = print
@@ -347,29 +410,54 @@ def run(cfg, model_name: str, root: Path = Path("."), progress: Callable[[str], 
     with tempfile.TemporaryDirectory(prefix="kiln-calibrate-") as tmp, atomic_dir(out) as d:
         pre = Path(tmp) / "preprocessed.onnx"
         graph_digest = preprocess(export_dir / paths.ONNX_FILE, pre)
-        ranges, seconds = compute_ranges(pre, feeds, ccfg, progress, label)
-        if ranges["samples"] == 0:
+        stats, seconds = compute_ranges(pre, feeds, ccfg, progress, label)
+        if stats["samples"] == 0:
             raise KilnError(f"{label}: the calibration photos gave no inputs for this graph",
                             "check data.photos: the reference detector must find faces in them")
-        ranges["graph_xxh3_128"] = graph_digest
+        t0 = time.perf_counter()
+        read_verified(manifest_path(paths.golden(model_name, root), model_name))
+        trials = judge(cfg, model_name, pre, stats["candidates"], stats["minmax"], root, progress, label)
+        seconds["judge"] = round(time.perf_counter() - t0, 3)
+        from pipeline.stages.validate import KEY_METRIC
+
+        metric, sign = KEY_METRIC[cfg.model(model_name).samples]
+        best = choose(trials, metric, sign)
+        ranges = {"method": best.method, "tensors": stats["candidates"][best.method], "minmax": stats["minmax"],
+                  "candidates": stats["candidates"], "samples": stats["samples"], "graph_xxh3_128": graph_digest}
         write_json_atomic(d / "ranges.json", ranges)
-        n, changed = len(ranges["tensors"]), differs(ranges["tensors"], ranges["minmax"])
-        results = {"method": ccfg.method, "tensors": n, "samples": ranges["samples"],
+        selection = {"recipe": ccfg.select_recipe, "metric": metric, "higher_is_better": sign > 0,
+                     "rule": "passing before failing, then the key metric, then the order of calibrate.candidates",
+                     "chosen": best.method, "passed": best.passed,
+                     "trials": [{"method": t.method, "passed": t.passed, "failures": t.failures,
+                                 "tensors_differing_from_minmax": t.differs_from_minmax, "metrics": t.metrics}
+                                for t in trials]}
+        write_json_atomic(d / "selection.json", selection)
+        n, changed = len(ranges["tensors"]), best.differs_from_minmax
+        results = {"method": best.method, "tensors": n, "samples": ranges["samples"],
                    "graph_xxh3_128": graph_digest,
                    "differs_from_minmax": {"rel_threshold": DIFFERS_REL, "tensors": changed,
-                                           "fraction": round(changed / n, 6)}}
-        build = {"method": ccfg.method, "preprocess": PREPROCESS, "op_types": quantizable_op_types(),
-                 "batch": ccfg.batch}
-        if ccfg.method == "percentile":
-            build.update(bins=ccfg.bins, histogram="abs", percentile=ccfg.percentile)
-        elif ccfg.method == "entropy":
-            build.update(bins=ccfg.bins, histogram="abs", quantized_levels=QUANTIZED_LEVELS, smoothing=SMOOTHING,
-                         max_clipped=MAX_CLIPPED, exact_zeros="excluded")
+                                           "fraction": round(changed / n, 6)},
+                   "selection": {"recipe": ccfg.select_recipe, "metric": metric, "chosen": best.method,
+                                 "chosen_passes_gate": best.passed,
+                                 "candidates": {t.method: {"passed": t.passed, metric: t.metrics.get(metric)}
+                                                for t in trials}}}
+        build = {"candidates": list(ccfg.candidates), "select_recipe": ccfg.select_recipe, "preprocess": PREPROCESS,
+                 "op_types": quantizable_op_types(), "batch": ccfg.batch, "judged_on": "onnxruntime CPU"}
+        if any(m != "minmax" for m in ccfg.candidates):
+            build.update(bins=ccfg.bins, histogram="abs")
+        if "entropy" in ccfg.candidates:
+            build.update(quantized_levels=QUANTIZED_LEVELS, smoothing=SMOOTHING, max_clipped=MAX_CLIPPED,
+                         exact_zeros="excluded")
+        inputs = [input_ref("onnx", export_manifest, root),
+                  *samples.inputs(cfg, model_name, "calibration", root),
+                  input_ref("golden", manifest_path(paths.golden(model_name, root), model_name), root),
+                  *samples.inputs(cfg, model_name, "golden", root)]
+        unique = list({json.dumps(i, sort_keys=True): i for i in inputs}.values())
         write_manifest(d, build_manifest(
-            kind="calibration", name=model_name, model=model_name, directory=d, files=[d / "ranges.json"],
-            inputs=[input_ref("onnx", export_manifest, root), *samples.inputs(cfg, model_name, "calibration", root)],
-            build=build, results=results, **STAGE.identity(cfg, model_name, root)))
-    return CalibrationResult(out, ccfg.method, n, ranges["samples"], changed / n, seconds)
+            kind="calibration", name=model_name, model=model_name, directory=d,
+            files=[d / "ranges.json", d / "selection.json"], inputs=unique, build=build, results=results,
+            **STAGE.identity(cfg, model_name, root)))
+    return CalibrationResult(out, best.method, n, ranges["samples"], changed / n, seconds, trials, metric)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,9 +465,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         r = run(args.cfg, args.key)
         run_.record["seconds_per_pass"] = r.seconds
-        print(f"calibrate@{args.key}: {r.method} ranges of {r.tensors} tensors over {r.samples} samples "
-              f"in {time.perf_counter() - t0:.1f} s → {r.directory / 'ranges.json'}")
-        print(f"  {r.differs_fraction:.0%} of the tensors' ranges differ from plain min/max by > 1 %")
+        chosen = next(t for t in r.trials if t.method == r.method)
+        print(f"calibrate@{args.key}: chose {r.method} by the face-task gate ({r.metric} "
+              f"{chosen.metrics.get(r.metric)}, {'passes' if chosen.passed else 'fails'}) of "
+              f"{len(r.trials)} candidates; ranges of {r.tensors} tensors over {r.samples} samples in "
+              f"{time.perf_counter() - t0:.1f} s → {r.directory / 'ranges.json'}")
+        print(f"  {r.differs_fraction:.0%} of the tensors' chosen ranges differ from plain min/max by > 1 %")
         return 0
 
     return stage.main(STAGE, body, argv, key_help="model name from quantize.models (e.g. embedder)")

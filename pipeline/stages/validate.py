@@ -30,6 +30,28 @@ from pipeline.manifest import (atomic_dir, build_manifest, identity_digest, inpu
                                read_verified, write_json_atomic, write_manifest)
 
 BATCH = 8
+# The gate's key metric per sample kind — (metric, +1 when higher is better): what ranks candidate models that
+# all pass or all fail the gate (calibrate@'s choice of method, `kiln mixed`'s sensitivity ranking).
+KEY_METRIC = {"chips": ("cosine_min", 1), "aligner": ("pixel_mae", -1), "pnet": ("box_iou_min", 1),
+              "rnet": ("box_iou_min", 1), "onet": ("box_iou_min", 1)}
+
+
+class OnnxRunner:
+    """An ONNX file on ONNX Runtime's CPU kernels, with the runner interface `evaluate_model` calls: how a candidate
+    model that is not an engine yet (a calibration, a float set) is judged, as the ort-cpu engine would run it."""
+
+    def __init__(self, path: Path) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self.session.get_inputs()[0].name: x})[0]
+
+    def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(None, feed)
 
 
 def _deps(cfg, key: str) -> list[str]:
