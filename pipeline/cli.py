@@ -277,7 +277,10 @@ def cmd_profile(args) -> int:
         print(f"profile {args.name}: already applied to {args.params}; nothing changed")
         return 0
     print(f"profile {args.name}: merged into {args.params} ({len(changed)} key(s)): " + ", ".join(changed))
-    print("next: bash scripts/setup.sh --profile " + args.name + " (its toolchain), then bash scripts/run.sh")
+    if (Path("lockfiles") / f"{args.name}.txt").is_file():
+        print("next: bash scripts/setup.sh --profile " + args.name + " (its toolchain), then bash scripts/run.sh")
+    else:
+        print("next: bash scripts/run.sh (this profile needs no other packages)")
     return 0
 
 

@@ -41,6 +41,10 @@ def frozen(cls):
 
 
 # ---------------------------------------------------------------------------------------------- data
+Point = tuple[Float, Float]
+Template = tuple[Point, Point, Point, Point, Point]
+
+
 @frozen
 class Assets:
     dir: StrictStr
@@ -83,20 +87,46 @@ class Sets:
 class DataConfig:
     photos: StrictStr
     chip_size: Annotated[StrictInt, Field(ge=16)]
-    template: tuple[tuple[Float, Float], tuple[Float, Float], tuple[Float, Float], tuple[Float, Float],
-                    tuple[Float, Float]]
+    template: Template
     min_face_size: Annotated[StrictInt, Field(ge=12)]
     augment: Augment
     sets: Sets
 
 
 # ---------------------------------------------------------------------------------------------- models
+Rgb = tuple[Float, Float, Float]
+
+
+@frozen
+class OnnxSource:
+    """A model delivered as an ONNX file: a path from the project root (an asset or a local file) and its sha256."""
+    path: StrictStr
+    sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
+
+
+@frozen
+class Preprocess:
+    """How an embedder's input is made from a photo: the aligned chip's geometry (its own image sets are built
+    with it), then per channel (chip[channels] - mean) / std. Without it: data.chip_size / data.template, RGB 0..255."""
+    chip_size: Annotated[StrictInt, Field(ge=16)]
+    template: Template                   # 5 points in chip pixels, as data.template
+    channels: Literal["rgb", "bgr"] = "rgb"
+    mean: Rgb = (0.0, 0.0, 0.0)          # in the channel order of the input
+    std: tuple[Annotated[Float, Field(gt=0)], Annotated[Float, Field(gt=0)], Annotated[Float, Field(gt=0)]] = \
+        (1.0, 1.0, 1.0)
+
+
 @frozen
 class ModelConfig:
-    factory: Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]  # "module:callable"
     input_shape: tuple[Annotated[StrictInt, Field(gt=0)], ...]          # one sample (P-Net: a typical level)
+    # the source: a PyTorch factory "module:callable" (called with `weights`), or an ONNX file (`onnx`)
+    factory: Optional[Annotated[StrictStr, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]] = None
+    onnx: Optional[OnnxSource] = None
     weights: Optional[StrictStr] = None             # called with this path (None: a graph with no weights)
-    verify_threshold: Optional[Annotated[Float, Field(gt=0)]] = None   # embedders: same person when L2 < this
+    # embedders: same person when L2 < this (metric l2) or when cosine similarity ≥ this (metric cosine)
+    verify_threshold: Optional[Annotated[Float, Field(gt=0)]] = None
+    metric: Literal["l2", "cosine"] = "l2"
+    preprocess: Optional[Preprocess] = None
     samples: Literal[SAMPLE_KINDS] = "chips"         # which inputs this graph sees (pipeline/samples.py)
     dynamic: dict[StrictStr, tuple[Annotated[StrictInt, Field(ge=0)], ...]] = field(
         default_factory=lambda: {"input": (0,)})    # input name → dynamic axes of the exported graph
@@ -107,11 +137,29 @@ class ModelConfig:
     def _shape(self):
         if not self.input_shape:
             raise ValueError("input_shape must list the sample's dimensions, e.g. [3, 150, 150]")
+        if (self.factory is None) == (self.onnx is None):
+            raise ValueError("give the model exactly one source: `factory` (PyTorch) or `onnx` ({path, sha256})")
+        if self.onnx is not None and self.weights is not None:
+            raise ValueError("an ONNX model carries its weights: drop `weights` (the file is pinned by onnx.sha256)")
+        if self.preprocess is not None:
+            if self.samples != "chips":
+                raise ValueError("preprocess is for embedders (samples: chips)")
+            size = self.preprocess.chip_size
+            if self.input_shape != (3, size, size):
+                raise ValueError(f"input_shape {list(self.input_shape)} does not match preprocess.chip_size {size}: "
+                                 f"use [3, {size}, {size}]")
+        if self.metric == "cosine" and self.verify_threshold is not None and self.verify_threshold > 1:
+            raise ValueError("a cosine verify_threshold is a similarity in (0, 1]")
         return self
 
     @property
     def weights_path(self) -> Path | None:
         return None if self.weights is None else Path(self.weights)
+
+    @property
+    def source_file(self) -> str | None:
+        """The file the model's graph comes from: its weights (PyTorch) or its ONNX file; None for neither."""
+        return self.onnx.path if self.onnx is not None else self.weights
 
 
 @frozen
@@ -398,6 +446,10 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
         for m in getattr(p, key).models:
             if m not in models:
                 bad.append((f"{key}.models", f"no model named {m!r}", f"known models: {', '.join(sorted(models))}"))
+    for m in p.program.models:
+        if m in models and p.models[m].onnx is not None:
+            bad.append(("program.models", f"{m!r} comes from an ONNX file: it has no PyTorch module to torch.export",
+                        f"drop {m} from program.models (its engines compile from artifacts/export/{m})"))
     for name, m in p.models.items():
         if m.samples == "chips" and m.verify_threshold is None:
             bad.append((f"models.{name}.verify_threshold", "an embedder (samples: chips) needs its threshold",
@@ -410,6 +462,11 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
         if e.target not in p.targets:
             bad.append((f"{where}.target", f"no target named {e.target!r}",
                         f"configure it under targets: ({', '.join(p.targets)})"))
+            continue
+        if p.models[e.model].onnx is not None and e.source == f"artifacts/program/{e.model}":
+            bad.append((f"{where}.source", f"{e.model!r} comes from an ONNX file, so there is no torch.export program",
+                        f"use a target that compiles ONNX ({e.target} compiles programs), from artifacts/export/"
+                        f"{e.model}"))
             continue
         if e.precision == "int8" and e.recipe not in recipes:
             bad.append((f"{where}.recipe", f"int8 needs a quantization recipe, got {e.recipe!r}",

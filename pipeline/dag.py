@@ -30,7 +30,7 @@ from pipeline import stage
 from pipeline.errors import KilnError
 
 # In DAG order: the order the groups appear in dvc.yaml.
-MODULES = ("assets", "dataset", "golden", "export", "program", "calibrate", "quantize", "fingerprint", "compile",
+MODULES = ("assets", "dataset", "golden", "export", "imports", "program", "calibrate", "quantize", "fingerprint", "compile",
            "validate", "bench", "register", "precision", "trt_audit", "fallback", "leaderboard", "gallery", "matching",
            "register_index")
 HEADER = """\

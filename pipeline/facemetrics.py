@@ -34,9 +34,23 @@ def _pairwise(e: np.ndarray) -> np.ndarray:
     return np.linalg.norm(e[:, None] - e[None], axis=-1)
 
 
+def as_l2(emb: np.ndarray, threshold: float, metric: str = "l2") -> tuple[np.ndarray, float]:
+    """(embeddings, L2 threshold) in which a face system with this metric decides by L2 distance: cosine models
+    compare unit-normalized embeddings, where cosine ≥ t is exactly L2 < sqrt(2 − 2t)."""
+    if metric == "l2":
+        return emb, threshold
+    if metric != "cosine":
+        raise ValueError(f"unknown metric {metric!r}")
+    unit = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-30)
+    return unit, float(np.sqrt(max(0.0, 2.0 - 2.0 * threshold)))
+
+
 def face_metrics(got: np.ndarray, ref: np.ndarray, labels: np.ndarray, gallery: np.ndarray,
-                 threshold: float) -> dict[str, float]:
-    """Compare engine outputs `got` with reference outputs `ref` on the same chips, as a face system would."""
+                 threshold: float, metric: str = "l2") -> dict[str, float]:
+    """Compare engine outputs `got` with reference outputs `ref` on the same chips, as a face system would; for a
+    cosine model every distance (l2_*, pairs, top-1) is between unit-normalized embeddings."""
+    ref, _ = as_l2(ref, threshold, metric)
+    got, threshold = as_l2(got, threshold, metric)
     cos = np.sum(got * ref, 1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(ref, axis=1))
     l2 = np.linalg.norm(got - ref, axis=1)
     # identity top-1 through the gallery: reference queries vs reference gallery, engine queries vs engine gallery

@@ -2,7 +2,9 @@
 
 Each graph of the face system sees different inputs, so each model names its `samples` kind in params.yaml:
 
-* `chips`   the embedder: batches of aligned chips from the golden / calibration image set (artifacts/data/<set>);
+* `chips`   an embedder: batches of aligned chips from the golden / calibration image set (artifacts/data/<set>,
+  or artifacts/data/<set>-<model> for a model with its own `preprocess` geometry), made into the model's input by
+  `chip_input` (channel order, mean, std);
 * `pnet`, `rnet`, `onet`: exactly what that MTCNN net sees when the reference (PyTorch) detector runs on the
   photos — every pyramid level for P-Net, the candidate crops for R- and O-Net — captured by wrapping the
   reference nets. The calibration set adds deterministic darker, brighter and mirrored variants of each photo;
@@ -31,6 +33,42 @@ CHIP_BATCH = 8
 NETS = ("pnet", "rnet", "onet")
 
 
+# ---------------------------------------------------------------------------------------------- chip sets
+SETS = ("golden", "calibration")
+
+
+def chip_set(cfg, model: str | None, set_name: str) -> str:
+    """The image set a chips model reads: `<set>` (data.chip_size / data.template), or `<set>-<model>` for a
+    model with its own preprocess geometry."""
+    if model is None or cfg.model(model).preprocess is None:
+        return set_name
+    return f"{set_name}-{model}"
+
+
+def chip_sets(cfg) -> dict[str, tuple[str, str | None]]:
+    """Every image set the DAG builds: {key: (golden|calibration, the model whose geometry it has, or None)}."""
+    out: dict[str, tuple[str, str | None]] = {s: (s, None) for s in SETS}
+    for name, m in cfg.models.items():
+        if m.samples == "chips" and m.preprocess is not None:
+            out.update({chip_set(cfg, name, s): (s, name) for s in SETS})
+    return out
+
+
+def chip_input(mcfg, chips: np.ndarray) -> np.ndarray:
+    """(N, S, S, 3) uint8 RGB chips → the model's (N, 3, S, S) float32 input: channel order, then (x - mean) / std."""
+    x = to_nchw(chips)
+    pre = mcfg.preprocess
+    if pre is None:
+        return x
+    if pre.channels == "bgr":
+        x = x[:, ::-1]
+    mean = np.asarray(pre.mean, np.float32)[None, :, None, None]
+    std = np.asarray(pre.std, np.float32)[None, :, None, None]
+    if (mean != 0).any() or (std != 1).any():
+        x = (x - mean) / std
+    return np.ascontiguousarray(x, np.float32)
+
+
 # ---------------------------------------------------------------------------------------------- what feeds read
 def reference_weights(cfg) -> list[Path]:
     """The reference detector's weights: models.pnet/rnet/onet.weights (relative to the project root)."""
@@ -44,7 +82,7 @@ def reference_weights(cfg) -> list[Path]:
 def deps(cfg, model: str | None, set_name: str) -> list[str]:
     """Paths the feeds of `model` on `set_name` read (None: the reference detector on the photos)."""
     if model is not None and cfg.model(model).samples == "chips":
-        return [paths.data_set(set_name).as_posix()]
+        return [paths.data_set(chip_set(cfg, model, set_name)).as_posix()]
     return [Path(cfg.data.photos).as_posix(), *(w.as_posix() for w in reference_weights(cfg))]
 
 
@@ -59,8 +97,8 @@ def params(cfg, model: str | None) -> list[str]:
 def inputs(cfg, model: str, set_name: str, root: Path) -> list[dict]:
     """Manifest input references for the feeds: the image set's manifest, or the photos and detector weights."""
     if cfg.model(model).samples == "chips":
-        d = paths.data_set(set_name, root)
-        return [input_ref(f"{set_name}_set", manifest_path(d, set_name), root)]
+        key = chip_set(cfg, model, set_name)
+        return [input_ref(f"{set_name}_set", manifest_path(paths.data_set(key, root), key), root)]
     photos = [file_input("photo", p.path, root) for p in list_photos(root / cfg.data.photos)]
     return photos + [file_input("detector_weights", root / w, root) for w in reference_weights(cfg)]
 
@@ -132,8 +170,8 @@ def _rebatch(per_photo: Iterator[list[Feed]], batch: int) -> Iterator[Feed]:
 class ChipFeeds(Sequence):
     """Chip batches converted to float only when used, so a large set never sits in memory as float32."""
 
-    def __init__(self, chips: np.ndarray, batch: int) -> None:
-        self.chips, self.batch = chips, batch
+    def __init__(self, chips: np.ndarray, batch: int, mcfg=None) -> None:
+        self.chips, self.batch, self.mcfg = chips, batch, mcfg
 
     def __len__(self) -> int:
         return -(-len(self.chips) // self.batch)
@@ -141,7 +179,8 @@ class ChipFeeds(Sequence):
     def __getitem__(self, i: int) -> Feed:
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return {"input": to_nchw(self.chips[i * self.batch:(i + 1) * self.batch])}
+        chips = self.chips[i * self.batch:(i + 1) * self.batch]
+        return {"input": to_nchw(chips) if self.mcfg is None else chip_input(self.mcfg, chips)}
 
 
 class Stream:
@@ -154,7 +193,8 @@ class Stream:
 
     def __iter__(self) -> Iterator[Feed]:
         if self.kind == "chips":
-            yield from ChipFeeds(load_set(paths.data_set(self.set_name, self.root)).chips, self.batch)
+            key = chip_set(self.cfg, self.model, self.set_name)
+            yield from ChipFeeds(load_set(paths.data_set(key, self.root)).chips, self.batch, self.cfg.model(self.model))
         elif self.kind == "pnet":
             for feeds in _detector_feeds(self.cfg, "pnet", self.set_name, self.root):
                 yield from feeds
@@ -176,7 +216,8 @@ def feeds(cfg, model: str, set_name: str, root: Path = Path("."), batch: int = C
     """The feeds as a sequence (chips stay lazy; detector feeds of the small golden photo set are held)."""
     kind = cfg.model(model).samples
     if kind == "chips":
-        return ChipFeeds(load_set(paths.data_set(set_name, root)).chips, batch)
+        key = chip_set(cfg, model, set_name)
+        return ChipFeeds(load_set(paths.data_set(key, root)).chips, batch, cfg.model(model))
     out = list(stream(cfg, model, set_name, root, batch))
     if not out:
         raise KilnError(f"{model}: the {set_name} photos gave no inputs for this graph",

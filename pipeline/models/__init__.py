@@ -1,4 +1,5 @@
-"""Model factories. params.yaml names a factory as "module:callable"; it is called with the weights path."""
+"""Model sources. params.yaml names a PyTorch factory as "module:callable" (called with the weights path), or an
+ONNX file (`onnx: {path, sha256}`, imported by import@<model>, pipeline/onnx_import.py)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,22 @@ if TYPE_CHECKING:  # keep `import pipeline.models.<x>` free of yaml/config for G
     from pipeline.config import ModelConfig
 
 
-def factory_module(mcfg: "ModelConfig") -> str:
-    """The module a model's factory lives in (a stage that builds the model depends on its code)."""
-    return mcfg.factory.partition(":")[0]
+def factory_modules(mcfg: "ModelConfig") -> list[str]:
+    """The module a model's factory lives in (a stage that builds the model depends on its code); none for ONNX."""
+    return [] if mcfg.factory is None else [mcfg.factory.partition(":")[0]]
 
 
 def weight_deps(mcfg: "ModelConfig") -> list[str]:
-    """The model's own weights file, as a dependency path (none for a graph without learned weights)."""
-    return [] if mcfg.weights is None else [Path(mcfg.weights).as_posix()]
+    """The model's own source file — its weights, or its ONNX file — as a dependency path (none for a graph
+    without learned weights)."""
+    return [] if mcfg.source_file is None else [Path(mcfg.source_file).as_posix()]
 
 
 def build(cfg: "ModelConfig", root: Path = Path(".")) -> "torch.nn.Module":
     """Instantiate a model in eval mode from its params.yaml entry; `weights` is relative to the project root."""
+    if cfg.factory is None:
+        raise KilnError(f"params.yaml: models.{cfg.name} comes from an ONNX file, not a PyTorch factory",
+                        "this step needs a PyTorch model; ONNX models run through ONNX Runtime (golden, import)")
     module_name, _, attr = cfg.factory.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)

@@ -33,6 +33,7 @@ from pipeline.targets.base import synthetic_feed
 
 ROUNDS = 5
 EAGER = "pytorch-eager"
+ONNX_ORIGINAL = "onnx-original"     # the baseline of a model delivered as ONNX (ORT, graph optimizations off)
 
 
 def _engines(cfg, model: str) -> list:
@@ -47,7 +48,7 @@ STAGE = stage.Stage(
                            *(paths.engine(e.name).as_posix() for e in _engines(cfg, key)),
                            *(paths.validation(e.name).as_posix() for e in _engines(cfg, key))],
     params=lambda cfg, key: ["bench", f"models.{key}"],
-    dynamic=lambda cfg, key: [models.factory_module(cfg.model(key)),
+    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key)),
                               *sorted({targets.module(e.target) for e in _engines(cfg, key)})],
     # cached, like every output a later stage reads: a host that adds an engine of another model pulls this record
     # for the leaderboard (`dvc repro --pull`); an uncached output exists only on the host that made it
@@ -171,20 +172,28 @@ def measure_model(cfg, model_name: str, root: Path = Path("."), progress=print) 
     threads = {int(cfg.targets[e.target].options.get("threads", 0)) for e in engines} - {0}
     if threads:
         torch.set_num_threads(max(threads))
-    eager = models.build(mcfg, root)
+    if mcfg.onnx is None:
+        eager = models.build(mcfg, root)
 
-    def run_eager(feed: dict[str, np.ndarray]):
-        with torch.inference_mode():
-            return eager(*(torch.from_numpy(v) for v in feed.values()))
+        def run_eager(feed: dict[str, np.ndarray]):
+            with torch.inference_mode():
+                return eager(*(torch.from_numpy(v) for v in feed.values()))
+        baseline = EAGER
+    else:   # a model delivered as ONNX: its reference (golden@), ORT on the original file, optimizations off
+        from pipeline import onnx_import
 
-    variants[EAGER] = run_eager
+        run_eager, _ = onnx_import.reference_session(
+            onnx_import.verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256, model_name))
+        baseline = ONNX_ORIGINAL
+    report["baseline"] = baseline           # what the `×eager` columns divide by
+    variants[baseline] = run_eager
     lat = measure(variants, inputs, bcfg.warmup, bcfg.min_runs, bcfg.min_seconds, progress)
     for name in variants:
         report["engines"].setdefault(name, {}).update(summarize(lat[name]))
     for e in engines:
         m = report["engines"][e.name]
         for b in bcfg.batches:
-            m[f"b{b}_speedup_vs_eager"] = round(report["engines"][EAGER][f"b{b}_p50_ms"] / m[f"b{b}_p50_ms"], 3)
+            m[f"b{b}_speedup_vs_eager"] = round(report["engines"][baseline][f"b{b}_p50_ms"] / m[f"b{b}_p50_ms"], 3)
     failures = int8_gate(report, engines, bcfg.batches, bcfg.int8_min_speedup)
     report["failures"] = failures
     report["verdict"] = "fail" if failures else "pass"

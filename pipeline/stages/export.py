@@ -1,5 +1,7 @@
 """export@<model>: PyTorch → ONNX (dynamic batch), checked, shape-inferred, inventoried and proven against golden.
 
+(A model delivered as ONNX — models.<m>.onnx — is imported by import@<model> instead: pipeline/stages/imports.py.)
+
 The exporter is pinned (params `export.exporter`) because only a pinned exporter gives byte-identical files;
 tests/test_export.py exports twice in fresh processes and compares the bytes. The parity check runs the ONNX in
 ONNX Runtime on the golden set and compares with the golden (PyTorch FP32) outputs: beyond `export.parity` the
@@ -32,9 +34,9 @@ def model_deps(cfg, key: str) -> list[str]:
 
 STAGE = stage.Stage(
     "export", "pipeline.stages.export", "PyTorch → ONNX, checked, inventoried, parity-gated against golden",
-    keys=lambda cfg: list(cfg.models), deps=model_deps,
+    keys=lambda cfg: [m for m, spec in cfg.models.items() if spec.factory is not None], deps=model_deps,
     params=lambda cfg, key: [f"models.{key}", "export", *samples.params(cfg, key)],
-    dynamic=lambda cfg, key: [models.factory_module(cfg.model(key))],
+    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key))],
     outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())])
 
 

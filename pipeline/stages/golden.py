@@ -1,4 +1,7 @@
-"""golden@<model>: the FP32 PyTorch reference outputs on the golden inputs. Every later check compares to these.
+"""golden@<model>: the FP32 reference outputs on the golden inputs. Every later check compares to these.
+
+The reference is PyTorch eager for a model with a factory, and ONNX Runtime with graph optimizations off on the
+original file for a model delivered as ONNX (pipeline/onnx_import.py `reference_session`).
 
 Outputs are stored one file per feed and output (`reference/0003.prob.npy`), because P-Net's inputs differ in size
 from one pyramid level to the next. Embedders (samples kind `chips`) also get `embeddings.npy`, all chips'
@@ -20,15 +23,17 @@ import torch
 from pipeline import models, paths, samples, stage
 from pipeline.data import load_set
 from pipeline.errors import KilnError
+from pipeline.facemetrics import as_l2
 from pipeline.manifest import (atomic_dir, build_manifest, file_input, manifest_path, read_verified,
                                write_bytes_atomic, write_json_atomic, write_manifest)
 
 STAGE = stage.Stage(
-    "golden", "pipeline.stages.golden", "FP32 PyTorch reference outputs on each graph's golden inputs",
+    "golden", "pipeline.stages.golden", "FP32 reference outputs (PyTorch, or ORT on an ONNX original) on each "
+    "graph's golden inputs",
     keys=lambda cfg: list(cfg.models),
     deps=lambda cfg, key: models.weight_deps(cfg.model(key)) + samples.deps(cfg, key, "golden"),
     params=lambda cfg, key: [f"models.{key}", *samples.params(cfg, key)],
-    dynamic=lambda cfg, key: [models.factory_module(cfg.model(key))],
+    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key))],
     outs=lambda cfg, key: [stage.Out(paths.golden(key).as_posix())])
 
 
@@ -85,12 +90,30 @@ def pair_distances(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     return {k: round(v, 6) for k, v in out.items()}
 
 
+def onnx_reference(mcfg, feeds: Sequence[samples.Feed], root: Path) -> tuple[list[list[np.ndarray]], list[str]]:
+    """ONNX Runtime on the original (pinned, checked) file: outputs per feed and the output names."""
+    from pipeline import onnx_import
+
+    proto = onnx_import.verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256, mcfg.name)
+    run_feed, names = onnx_import.reference_session(proto)
+    outs = []
+    for i, feed in enumerate(feeds):
+        outs.append(run_feed(feed))
+        if not all(np.isfinite(o).all() for o in outs[-1]):
+            raise KilnError(f"{mcfg.onnx.path}: the model produced NaN or infinite outputs on golden feed {i}",
+                            f"check the file and models.{mcfg.name}.preprocess (input scaling)")
+    return outs, names
+
+
 def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
     mcfg = cfg.model(model_name)
-    model = models.build(mcfg, root)
     feeds = samples.feeds(cfg, model_name, "golden", root)
-    outs = reference_outputs(model, feeds)
-    names = output_names(model)
+    if mcfg.onnx is not None:
+        outs, names = onnx_reference(mcfg, feeds, root)
+    else:
+        model = models.build(mcfg, root)
+        outs = reference_outputs(model, feeds)
+        names = output_names(model)
     summary = {"feeds": len(feeds), "samples": samples.sample_count(feeds), "feeds_xxh3_128": samples.digest(feeds),
                "outputs": {n: list(outs[0][k].shape[1:]) for k, n in enumerate(names)}}
     out = paths.golden(model_name, root)
@@ -103,19 +126,23 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
         write_json_atomic(d / "index.json", {"inputs": list(feeds[0]), "outputs": names, "feeds": len(feeds),
                                              "feeds_xxh3_128": summary["feeds_xxh3_128"]})
         files.append(d / "index.json")
-        inputs = [file_input("weights", root / w, root) for w in models.weight_deps(mcfg)]
+        inputs = [file_input("weights" if mcfg.onnx is None else "onnx_source", root / w, root)
+                  for w in models.weight_deps(mcfg)]
         inputs += samples.inputs(cfg, model_name, "golden", root)
         if mcfg.samples == "chips":
-            gset = load_set(paths.data_set("golden", root))
+            gset = load_set(paths.data_set(samples.chip_set(cfg, model_name, "golden"), root))
             emb = np.concatenate([o[0] for o in outs])
             write_bytes_atomic(d / "embeddings.npy", _npy_bytes(emb.astype(np.float32)))
             files.append(d / "embeddings.npy")
             plain = np.array([s["augmentation"] is None for s in gset.index["samples"]])
-            summary.update(plain_chips=pair_distances(emb[plain], gset.labels[plain]),
-                           all_chips=pair_distances(emb, gset.labels), golden_set_xxh3_128=gset.content_hash)
+            unit, _ = as_l2(emb, mcfg.verify_threshold, mcfg.metric)     # cosine models: unit vectors
+            summary.update(plain_chips=pair_distances(unit[plain], gset.labels[plain]),
+                           all_chips=pair_distances(unit, gset.labels), golden_set_xxh3_128=gset.content_hash)
         write_manifest(d, build_manifest(
             kind="golden", name=model_name, model=model_name, precision="fp32", directory=d, files=files,
-            inputs=inputs, build={"factory": mcfg.factory, "reference": "pytorch-eager-fp32", "samples": mcfg.samples},
+            inputs=inputs, build={"factory": mcfg.factory, "samples": mcfg.samples,
+                                  "reference": "pytorch-eager-fp32" if mcfg.onnx is None else
+                                  "onnxruntime-fp32-no-graph-optimization"},
             results=summary, **STAGE.identity(cfg, model_name, root)))
     return GoldenResult(out, summary)
 

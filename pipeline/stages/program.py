@@ -40,7 +40,7 @@ STAGE = stage.Stage(
     "PyTorch → torch.export program (.pt2, dynamic dims), parity-gated against golden; source of aoti-cpu",
     keys=lambda cfg: list(cfg.program.models), deps=model_deps,
     params=lambda cfg, key: [f"models.{key}", "export.parity", *samples.params(cfg, key)],
-    dynamic=lambda cfg, key: [models.factory_module(cfg.model(key))],
+    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key))],
     outs=lambda cfg, key: [stage.Out(paths.program(key).as_posix())])
 
 

@@ -58,6 +58,7 @@ QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
 _DTYPE_NAMES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8", onnx.TensorProto.INT32: "int32",
                 onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
 _BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
+_WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 _ACTIVATION_TYPES = {"u8": onnx.TensorProto.UINT8, "s8": onnx.TensorProto.INT8}
 
 
@@ -171,14 +172,19 @@ def inventory(model: onnx.ModelProto) -> dict:
             float_nodes.append(f"{n.op_type} {n.name}")
 
     bias_slots = {n.input[2] for n in nodes if n.op_type in _BIASED_OPS and len(n.input) > 2 and n.input[2]}
+    # weights: the constant input of a Conv / Gemm / MatMul; any other quantized constant (an elementwise Mul's
+    # scalar in an imported graph's input scaling, a PRelu slope) ORT quantizes like an activation: `constant_types`
+    weight_slots = {n.input[1] for n in nodes if n.op_type in _WEIGHTED_OPS and len(n.input) > 1}
     # Every activation QuantizeLinear / DequantizeLinear node: its zero point's type and whether it is 0.
     act_types, act_zero = Counter(), Counter()
-    weight_types, per_channel = Counter(), 0
+    weight_types, constant_types, per_channel = Counter(), Counter(), 0
     for n in nodes:
         if n.op_type == "QuantizeLinear" or (n.op_type == "DequantizeLinear" and n.input[0] not in inits):
             zp = inits.get(n.input[2]) if len(n.input) > 2 else None
             act_types["none" if zp is None else _dtype(zp.data_type)] += 1
             act_zero["zero" if zp is None or not np.any(numpy_helper.to_array(zp)) else "nonzero"] += 1
+        elif n.op_type == "DequantizeLinear" and n.output[0] not in bias_slots and n.output[0] not in weight_slots:
+            constant_types[_dtype(inits[n.input[0]].data_type)] += 1
         elif n.op_type == "DequantizeLinear" and n.output[0] not in bias_slots:
             dtype = inits[n.input[0]].data_type
             weight_types[_dtype(dtype)] += 1
@@ -199,6 +205,7 @@ def inventory(model: onnx.ModelProto) -> dict:
             "activation_qdq_types": dict(sorted(act_types.items())),
             "activation_qdq_zero_points": dict(sorted(act_zero.items())),
             "weight_types": dict(sorted(weight_types.items())), "per_channel_weights": int(per_channel),
+            **({"constant_types": dict(sorted(constant_types.items()))} if constant_types else {}),
             "bias_types": dict(sorted(biases.items()))}
 
 

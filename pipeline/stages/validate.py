@@ -23,7 +23,7 @@ import numpy as np
 
 from pipeline import engines, facemetrics, paths, samples, stage, targets
 from pipeline.config import ValidateConfig
-from pipeline.data import load_set, to_nchw
+from pipeline.data import load_set
 from pipeline.errors import KilnError
 from pipeline.facemetrics import face_metrics
 from pipeline.manifest import (atomic_dir, build_manifest, identity_digest, input_ref, manifest_path, read_manifest,
@@ -172,12 +172,12 @@ def evaluate_model(cfg, model: str, runner, root: Path = Path(".")) -> tuple[dic
     mcfg = cfg.model(model)
     extra = {}
     if mcfg.samples == "chips":
-        gset = load_set(paths.data_set("golden", root))
+        gset = load_set(paths.data_set(samples.chip_set(cfg, model, "golden"), root))
         ref = np.load(paths.golden(model, root) / "embeddings.npy", allow_pickle=False)
-        x = to_nchw(gset.chips)
+        x = samples.chip_input(mcfg, gset.chips)
         got = np.concatenate([runner.run(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
         gallery = np.array([s["augmentation"] is None for s in gset.index["samples"]])
-        metrics = face_metrics(got, ref, gset.labels, np.flatnonzero(gallery), mcfg.verify_threshold)
+        metrics = face_metrics(got, ref, gset.labels, np.flatnonzero(gallery), mcfg.verify_threshold, mcfg.metric)
         failures = gate(metrics, cfg.validate)
         limits = {k: v for k, v in cfg.section("validate").items() if k not in ("detector", "aligner")}
         extra["golden_set_xxh3_128"] = gset.content_hash

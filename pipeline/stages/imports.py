@@ -1,0 +1,106 @@
+"""import@<model>: a user's ONNX file (models.<m>.onnx) → the FP32 graph at artifacts/export/<m>, like export@.
+
+For a model delivered as ONNX this stage replaces export@: the same output (model.onnx + a manifest of kind `onnx`),
+so calibrate@, quantize@, compile@, validate@ and bench@ treat it like an exported model. What it does
+(pipeline/onnx_import.py): sha256 pin and onnx.checker, structural fixes that change no value, weight-only nodes
+folded to FP32, a fixed batch of 1 made dynamic, strict shape inference, the declared input size and the role's
+output rank checked, the op inventory recorded; then the same parity gate as export@ (params `export.parity`)
+against golden@<model> — ONNX Runtime on the original file with graph optimizations off.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from pipeline import models, onnx_import, paths, samples, stage
+from pipeline.errors import GateFailed
+from pipeline.manifest import atomic_dir, build_manifest, file_input, input_ref, manifest_path, write_manifest
+from pipeline.stages.export import check_graph, parity
+from pipeline.stages.golden import load_reference
+
+
+def onnx_models(cfg) -> list[str]:
+    return [m for m, spec in cfg.models.items() if spec.onnx is not None]
+
+
+STAGE = stage.Stage(
+    "import", "pipeline.stages.imports",
+    "a user's ONNX file: pinned, made runnable, weights folded to FP32, dynamic batch, checked, parity-gated",
+    keys=onnx_models,
+    deps=lambda cfg, key: [*models.weight_deps(cfg.model(key)), paths.golden(key).as_posix(),
+                           *samples.deps(cfg, key, "golden")],
+    params=lambda cfg, key: [f"models.{key}", "export.parity", *samples.params(cfg, key)],
+    outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())])
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    onnx_path: Path
+    report: dict
+    parity: dict
+    ops: dict[str, int]
+
+
+def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
+    mcfg, ecfg = cfg.model(model_name), cfg.export
+    src = root / mcfg.onnx.path
+    proto = onnx_import.verify_source(src, mcfg.onnx.sha256, model_name)
+    imported, report = onnx_import.prepare(proto, mcfg, mcfg.onnx.path)
+    golden_dir = paths.golden(model_name, root)
+    feeds = samples.feeds(cfg, model_name, "golden", root)
+    _, reference = load_reference(golden_dir)
+    out = paths.export(model_name, root)
+    with atomic_dir(out) as d:
+        onnx_path = d / paths.ONNX_FILE
+        onnx.save(imported, str(onnx_path))
+        ops, shapes = check_graph(onnx_path)
+        par = parity(onnx_path, feeds, reference)
+        max_abs = ecfg.parity.max_abs if mcfg.parity_max_abs is None else mcfg.parity_max_abs
+        if not (par["max_abs"] <= max_abs and par["cosine_min"] >= ecfg.parity.min_cosine):
+            raise GateFailed(f"import@{model_name}: the imported graph differs from the original beyond tolerance: "
+                             f"max |Δ| {par['max_abs']:.3g} (limit {max_abs:g}), min cosine "
+                             f"{par['cosine_min']:.7f} (limit {ecfg.parity.min_cosine:g})",
+                             "a folded or re-batched node changed values: report it with the file's sha256")
+        results = {"parity": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in par.items()},
+                   "parity_limits": {"max_abs": max_abs, "min_cosine": ecfg.parity.min_cosine},
+                   "ops": ops, "nodes": sum(ops.values()), "outputs": shapes, "import": report,
+                   "bytes": {"source": src.stat().st_size, "imported": onnx_path.stat().st_size}}
+        write_manifest(d, build_manifest(
+            kind="onnx", name=model_name, model=model_name, precision="fp32", directory=d, files=[onnx_path],
+            inputs=[file_input("onnx_source", src, root),
+                    input_ref("golden", manifest_path(golden_dir, model_name), root)],
+            build={"importer": "kiln-onnx-import", "source_sha256": mcfg.onnx.sha256, "opset": report["opset"],
+                   "dynamic_axes": {k: list(v) for k, v in mcfg.dynamic.items()},
+                   "inputs": {k: list(v.shape) for k, v in feeds[0].items()}},
+            results=results, **STAGE.identity(cfg, model_name, root)))
+    return ImportResult(out / paths.ONNX_FILE, report, results["parity"], ops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import time
+
+    def body(args, run_) -> int:
+        t0 = time.perf_counter()
+        r = run(args.cfg, args.key)
+        rep = r.report
+        print(f"import@{args.key}: {r.onnx_path} ({r.onnx_path.stat().st_size / 1e6:.1f} MB, "
+              f"{sum(r.ops.values())} nodes, opset {rep['opset']}) in {time.perf_counter() - t0:.1f} s")
+        print(f"  made runnable: {rep['dropped_unfed_inputs']} unfed inputs dropped, "
+              f"{rep['unlisted_initializer_inputs']} initializers unlisted from the inputs; folded to FP32: "
+              f"{rep['folded'] or 'nothing'}; kept quantized: {rep['kept_quantized'] or 'nothing'}; "
+              f"batch made dynamic: {', '.join(rep['batch_made_dynamic']) or 'already'}")
+        p = r.parity
+        print(f"  parity vs the original file (ONNX Runtime, golden@) on {p['samples']} golden samples: max |Δ| "
+              f"{p['max_abs']:.2e}, cosine min {p['cosine_min']:.7f}")
+        print("  ops: " + ", ".join(f"{k}×{v}" for k, v in r.ops.items()))
+        return 0
+
+    return stage.main(STAGE, body, argv, key_help="an ONNX-sourced model from params.yaml (models.<m>.onnx)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
