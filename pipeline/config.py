@@ -32,7 +32,7 @@ Fraction = Annotated[Float, Field(ge=0, le=1)]
 NonNeg = Annotated[Float, Field(ge=0)]
 Count = Annotated[StrictInt, Field(ge=1)]
 Slug = Annotated[StrictStr, Field(pattern="^" + SLUG.pattern + "$")]
-SAMPLE_KINDS = ("chips", "pnet", "rnet", "onet", "aligner")
+SAMPLE_KINDS = ("chips", "pnet", "rnet", "onet", "aligner", "retinaface")
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")   # which a target builds: pipeline/targets/__init__.py
 
 
@@ -117,6 +117,13 @@ class Preprocess:
 
 
 @frozen
+class Decode:
+    """A single-shot detector's decode (samples: retinaface, pipeline/models/retinaface.py)."""
+    score_threshold: Annotated[Float, Field(gt=0, lt=1)] = 0.9
+    nms_threshold: Annotated[Float, Field(gt=0, lt=1)] = 0.4
+
+
+@frozen
 class ModelConfig:
     input_shape: tuple[Annotated[StrictInt, Field(gt=0)], ...]          # one sample (P-Net: a typical level)
     # the source: a PyTorch factory "module:callable" (called with `weights`), or an ONNX file (`onnx`)
@@ -127,6 +134,7 @@ class ModelConfig:
     verify_threshold: Optional[Annotated[Float, Field(gt=0)]] = None
     metric: Literal["l2", "cosine"] = "l2"
     preprocess: Optional[Preprocess] = None
+    decode: Optional[Decode] = None                  # samples: retinaface (default Decode() when absent)
     samples: Literal[SAMPLE_KINDS] = "chips"         # which inputs this graph sees (pipeline/samples.py)
     dynamic: dict[StrictStr, tuple[Annotated[StrictInt, Field(ge=0)], ...]] = field(
         default_factory=lambda: {"input": (0,)})    # input name → dynamic axes of the exported graph
@@ -148,6 +156,10 @@ class ModelConfig:
             if self.input_shape != (3, size, size):
                 raise ValueError(f"input_shape {list(self.input_shape)} does not match preprocess.chip_size {size}: "
                                  f"use [3, {size}, {size}]")
+        if self.samples == "retinaface" and self.onnx is None:
+            raise ValueError("a retinaface detector comes from an ONNX file (`onnx: {path, sha256}`)")
+        if self.decode is not None and self.samples != "retinaface":
+            raise ValueError("decode is for single-shot detectors (samples: retinaface)")
         if self.metric == "cosine" and self.verify_threshold is not None and self.verify_threshold > 1:
             raise ValueError("a cosine verify_threshold is a similarity in (0, 1]")
         return self
@@ -353,6 +365,18 @@ class MatchingConfig:
         return size
 
 
+# ---------------------------------------------------------------------------------------------- systems
+MTCNN = "mtcnn"     # the detector of a system that is the pnet → rnet → onet cascade (plus the aligner graph)
+
+
+@frozen
+class SystemSpec:
+    """A face system `kiln identify --system NAME` runs: a detector and an embedder from `models:`."""
+    detector: Slug          # `mtcnn` (the cascade of models pnet, rnet, onet) or a model with samples: retinaface
+    embedder: Slug          # a model with samples: chips
+    name: StrictStr = ""
+
+
 # ---------------------------------------------------------------------------------------------- root
 @frozen
 class Params:
@@ -369,6 +393,7 @@ class Params:
     bench: BenchConfig
     register: RegisterConfig
     matching: MatchingConfig
+    systems: dict[Slug, SystemSpec] = field(default_factory=dict)
 
 
 class Config:
@@ -404,6 +429,12 @@ class Config:
             raise KilnError(f"{self.source}: engines: no engine named {name!r}",
                             f"known engines: {', '.join(sorted(self.engines))}")
         return self.engines[name]
+
+    def system(self, name: str) -> SystemSpec:
+        if name not in self.systems:
+            raise KilnError(f"{self.source}: systems: no system named {name!r}",
+                            f"known systems: {', '.join(sorted(self.systems)) or '(none)'}")
+        return self.systems[name]
 
     def engines_of(self, model: str) -> list[EngineSpec]:
         return [e for e in self.engines.values() if e.model == model]
@@ -498,6 +529,18 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
                             f"{39 * sp.p['nlist']} training vectors", "lower nlist or nlist_per_sqrt_n"))
     if len(set(p.matching.gallery_sizes)) != len(p.matching.gallery_sizes):
         bad.append(("matching.gallery_sizes", "sizes must be distinct", "drop the repeated size"))
+    for name, sy in p.systems.items():
+        det = p.models.get(sy.detector)
+        if sy.detector == MTCNN:
+            if missing := [n for n in ("pnet", "rnet", "onet") if n not in p.models]:
+                bad.append((f"systems.{name}.detector", f"the mtcnn cascade needs models {', '.join(missing)}",
+                            "keep the MTCNN nets in models:"))
+        elif det is None or det.samples != "retinaface":
+            bad.append((f"systems.{name}.detector", f"{sy.detector!r} is neither `mtcnn` nor a retinaface model",
+                        "name `mtcnn` or a model with samples: retinaface"))
+        if sy.embedder not in p.models or p.models[sy.embedder].samples != "chips":
+            bad.append((f"systems.{name}.embedder", f"{sy.embedder!r} is not an embedder (samples: chips)",
+                        f"name one of: {', '.join(m for m, s in p.models.items() if s.samples == 'chips')}"))
     if "embedder" not in p.models:
         bad.append(("models", "the face system needs an `embedder` model", "see the repository's params.yaml"))
     return bad
@@ -519,7 +562,7 @@ def _named(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             named[k] = v
         return named
 
-    for key in ("models", "targets", "engines"):
+    for key in ("models", "targets", "engines", "systems"):
         if key in out:
             out[key] = name_all(out[key], key)
     if isinstance(out.get("quantize"), dict) and "recipes" in out["quantize"]:

@@ -40,7 +40,10 @@ FOLDABLE = ("DequantizeLinear", "Reshape", "Transpose", "Cast", "Unsqueeze", "Sq
 QUANT_OPS = ("QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger",
              "DynamicQuantizeLinear")
 MIN_OPSET = 13          # below this, per-channel QDQ (quantize@) is not expressible; older graphs are converted up
-ROLE_OUTPUT_RANK = {"chips": 2}     # an embedder: (batch, dimension)
+# outputs a role needs: how many (None: at least one) and their rank
+ROLE_OUTPUTS = {"chips": (None, 2, "an embedder's first output must be rank 2 (batch, dimension)"),
+                "retinaface": (3, 3, "a RetinaFace detector has 3 outputs of rank 3: loc (batch, anchors, 4), conf "
+                                     "(…, 2), landmarks (…, 10)")}
 
 
 def hint_for(model: str) -> str:
@@ -341,18 +344,21 @@ def check_io(proto: onnx.ModelProto, mcfg, source: str) -> dict:
     g, name = proto.graph, mcfg.name
     if len(g.input) != 1:
         raise KilnError(f"{source}: model {name!r} has {len(g.input)} inputs ({', '.join(i.name for i in g.input)}); "
-                        "an embedder takes one (the chip batch)", "import a single-input graph")
+                        "an imported model takes one (the chip or photo batch)", "import a single-input graph")
     dims = _dims(g.input[0])
     want = list(mcfg.input_shape)
     if len(dims) != 1 + len(want) or any(isinstance(d, int) and d and d != w for d, w in zip(dims[1:], want)):
         raise KilnError(f"{source}: input {g.input[0].name!r} is {dims}, but models.{name}.input_shape declares "
                         f"[batch, {', '.join(map(str, want))}]",
                         f"set models.{name}.input_shape (and preprocess.chip_size) to the model's input size")
-    rank = ROLE_OUTPUT_RANK.get(mcfg.samples)
     outs = {o.name: _dims(o) for o in g.output}
-    if rank is not None and (not outs or len(next(iter(outs.values()))) != rank):
-        raise KilnError(f"{source}: model {name!r} outputs {outs}: an embedder's first output must be rank {rank} "
-                        "(batch, dimension)", f"import the embedding output, or check models.{name}.samples")
+    if mcfg.samples in ROLE_OUTPUTS:
+        count, rank, what = ROLE_OUTPUTS[mcfg.samples]
+        ranks = [len(d) for d in outs.values()]
+        if not ranks or (count is not None and len(ranks) != count) or \
+                any(r != rank for r in (ranks if count else ranks[:1])):
+            raise KilnError(f"{source}: model {name!r} outputs {outs}: {what}",
+                            f"import the right outputs, or check models.{name}.samples")
     return {"inputs": {g.input[0].name: dims}, "outputs": outs}
 
 

@@ -8,7 +8,9 @@ Each graph of the face system sees different inputs, so each model names its `sa
 * `pnet`, `rnet`, `onet`: exactly what that MTCNN net sees when the reference (PyTorch) detector runs on the
   photos — every pyramid level for P-Net, the candidate crops for R- and O-Net — captured by wrapping the
   reference nets. The calibration set adds deterministic darker, brighter and mirrored variants of each photo;
-* `aligner`: one feed per photo: the image and the chip transforms of its detected faces.
+* `aligner`: one feed per photo: the image and the chip transforms of its detected faces;
+* `retinaface`: a single-shot detector: one feed per photo (the calibration set's variants too), preprocessed as
+  the family wants (pipeline/models/retinaface.py) — no reference detector involved.
 
 Feeds are a pure function of the photos, the reference detector's weights and parameters, so stages regenerate
 them instead of storing them; `deps()` and `params()` say exactly what they read (dvc.yaml tracks those), and
@@ -83,6 +85,8 @@ def deps(cfg, model: str | None, set_name: str) -> list[str]:
     """Paths the feeds of `model` on `set_name` read (None: the reference detector on the photos)."""
     if model is not None and cfg.model(model).samples == "chips":
         return [paths.data_set(chip_set(cfg, model, set_name)).as_posix()]
+    if model is not None and cfg.model(model).samples == "retinaface":
+        return [Path(cfg.data.photos).as_posix()]
     return [Path(cfg.data.photos).as_posix(), *(w.as_posix() for w in reference_weights(cfg))]
 
 
@@ -90,6 +94,8 @@ def params(cfg, model: str | None) -> list[str]:
     """params.yaml keys the feeds depend on (chips: none here — the image set's own stage tracks them)."""
     if model is not None and cfg.model(model).samples == "chips":
         return []
+    if model is not None and cfg.model(model).samples == "retinaface":
+        return ["data.photos"]
     keys = ["data.photos", "data.min_face_size"]
     return keys + ["data.template"] if model is not None and cfg.model(model).samples == "aligner" else keys
 
@@ -100,6 +106,8 @@ def inputs(cfg, model: str, set_name: str, root: Path) -> list[dict]:
         key = chip_set(cfg, model, set_name)
         return [input_ref(f"{set_name}_set", manifest_path(paths.data_set(key, root), key), root)]
     photos = [file_input("photo", p.path, root) for p in list_photos(root / cfg.data.photos)]
+    if cfg.model(model).samples == "retinaface":
+        return photos
     return photos + [file_input("detector_weights", root / w, root) for w in reference_weights(cfg)]
 
 
@@ -203,6 +211,11 @@ class Stream:
         elif self.kind == "aligner":
             for feeds in _aligner_feeds(self.cfg, self.set_name, self.root):
                 yield from feeds
+        elif self.kind == "retinaface":
+            from pipeline.models import retinaface
+
+            for rgb in _photo_variants(self.cfg, self.set_name, self.root):
+                yield {"input": retinaface.preprocess(rgb)}
         else:  # config.py validates the kind; this guards a new kind added there but not here
             raise KilnError(f"models.{self.model}.samples: no feed builder for {self.kind!r}",
                             "see pipeline/samples.py")

@@ -150,7 +150,7 @@ def test_each_way_a_users_model_is_wrong_is_one_clear_error(tmp_path):
 
 
 def _sface(raw: dict) -> None:
-    profiles.merge(raw, profiles.load("sface", REPO))
+    profiles.merge(raw, profiles.load("sface-retinaface", REPO))
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -178,7 +178,7 @@ def test_a_model_added_by_params_alone_gets_its_own_stages(tmp_path):
     files = dag.render(cfg)
     stages = {f: yaml.safe_load(t)["stages"] for f, t in files.items()}
     imp = stages["dag/import/dvc.yaml"]["import"]
-    assert list(imp["foreach"]) == ["sface"]
+    assert sorted(imp["foreach"]) == ["retinaface", "sface"]
     assert "sface" not in stages["dag/export/dvc.yaml"]["export"]["foreach"]     # import@, not export@
     assert {"golden-sface", "calibration-sface"} <= set(stages["dag/dataset/dvc.yaml"]["dataset"]["foreach"])
     assert {"sface-ort-cpu-fp32", "sface-openvino-cpu-fp32"} <= set(stages["dag/compile/dvc.yaml"]["compile"]["foreach"])

@@ -33,7 +33,7 @@ BATCH = 8
 # The gate's key metric per sample kind — (metric, +1 when higher is better): what ranks candidate models that
 # all pass or all fail the gate (calibrate@'s choice of method, `kiln mixed`'s sensitivity ranking).
 KEY_METRIC = {"chips": ("cosine_min", 1), "aligner": ("pixel_mae", -1), "pnet": ("box_iou_min", 1),
-              "rnet": ("box_iou_min", 1), "onet": ("box_iou_min", 1)}
+              "rnet": ("box_iou_min", 1), "onet": ("box_iou_min", 1), "retinaface": ("box_iou_min", 1)}
 
 
 class OnnxRunner:
@@ -94,17 +94,19 @@ def _iou(a, b) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def lfw_crops(size: int) -> tuple[np.ndarray, np.ndarray]:
-    """skimage's lfw_subset (100 faces, then 100 non-faces, 25×25 grey) as normalised RGB net inputs."""
+def lfw_crops(size: int, preprocess=None) -> tuple[np.ndarray, np.ndarray]:
+    """skimage's lfw_subset (100 faces, then 100 non-faces, 25×25 grey) as RGB net inputs: MTCNN-normalised, or
+    by `preprocess` (one RGB image → (1, 3, H, W))."""
     from PIL import Image
     from skimage import data as skdata
 
-    from pipeline.models.mtcnn import preprocess
+    from pipeline.models import mtcnn
 
     imgs = skdata.lfw_subset()
     rgb = np.stack([np.asarray(Image.fromarray((im * 255).astype(np.uint8)).convert("RGB")
                                .resize((size, size), Image.BILINEAR)) for im in imgs])
-    return preprocess(rgb), np.r_[np.ones(100, bool), np.zeros(len(imgs) - 100, bool)]
+    x = mtcnn.preprocess(rgb) if preprocess is None else np.concatenate([preprocess(r) for r in rgb])
+    return x, np.r_[np.ones(100, bool), np.zeros(len(imgs) - 100, bool)]
 
 
 def detector_metrics(cfg, net: str, runner, root: Path) -> dict[str, float]:
@@ -141,6 +143,49 @@ def detector_metrics(cfg, net: str, runner, root: Path) -> dict[str, float]:
         m["lfw_faces_found"] = int(p_got[:100].sum())
         m["lfw_nonfaces_accepted"] = int(p_got[100:].sum())
     return m
+
+
+LFW_RETINAFACE = 128       # lfw_subset's 25×25 crops upscaled to this (RetinaFace's smallest anchor is 16 px)
+
+
+def _match(ref: list, got: list, ious: list, errs: list, score_d: list) -> None:
+    """Every reference face matched with the engine face of best IoU: its IoU, landmark error, score change."""
+    for f in ref:
+        best = max(got, key=lambda g: _iou(f.box, g.box), default=None)
+        ious.append(_iou(f.box, best.box) if best else 0.0)
+        if best is not None:
+            eye = np.linalg.norm(f.landmarks[0] - f.landmarks[1])
+            errs.append(float(np.linalg.norm(best.landmarks - f.landmarks, axis=1).max() / eye))
+            score_d.append(abs(best.score - f.score))
+
+
+def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
+    """A single-shot detector: the engine's decoded faces vs the reference's (golden@: ORT on the original) on
+    every photo, and face / non-face decisions on skimage's lfw_subset against the reference run on the same."""
+    from pipeline import onnx_import
+    from pipeline.models import retinaface
+    from pipeline.stages.golden import load_reference
+
+    mcfg = cfg.model(model)          # config.py: a retinaface model has an ONNX source (its reference is ORT)
+    dcfg = retinaface.DecodeConfig(**asdict(mcfg.decode)) if mcfg.decode else retinaface.DecodeConfig()
+    _, reference = load_reference(paths.golden(model, root))
+    ious, errs, score_d, count_diff, faces = [], [], [], 0, 0
+    for feed, ref in zip(samples.feeds(cfg, model, "golden", root), reference):
+        h, w = feed["input"].shape[2:]
+        f_ref = retinaface.decode(*(r[0] for r in ref[:3]), h, w, dcfg)
+        f_got = retinaface.decode(*(g[0] for g in list(runner.run_all(feed))[:3]), h, w, dcfg)
+        count_diff += len(f_ref) != len(f_got)
+        faces += len(f_ref)
+        _match(f_ref, f_got, ious, errs, score_d)
+    x, _ = lfw_crops(LFW_RETINAFACE, retinaface.preprocess)
+    run_ref, _ = onnx_import.reference_session(onnx_import.verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256,
+                                                                         model))
+    p_ref = run_ref({"input": x})[1][:, :, 1].max(1) > dcfg.score_threshold
+    p_got = np.asarray(list(runner.run_all({"input": x}))[1])[:, :, 1].max(1) > dcfg.score_threshold
+    return {"reference_faces": faces, "photos_with_other_face_count": count_diff,
+            "box_iou_min": float(min(ious, default=0.0)), "landmark_err_max": float(max(errs, default=1.0)),
+            "score_delta_max": float(max(score_d, default=1.0)), "face_agreement": float((p_ref == p_got).mean()),
+            "lfw_faces_found": int(p_got[:100].sum()), "lfw_nonfaces_accepted": int(p_got[100:].sum())}
 
 
 def aligner_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
@@ -181,6 +226,9 @@ def evaluate_model(cfg, model: str, runner, root: Path = Path(".")) -> tuple[dic
         failures = gate(metrics, cfg.validate)
         limits = {k: v for k, v in cfg.section("validate").items() if k not in ("detector", "aligner")}
         extra["golden_set_xxh3_128"] = gset.content_hash
+    elif mcfg.samples == "retinaface":
+        metrics = retinaface_metrics(cfg, model, runner, root)
+        failures, limits = gate_other("detector", metrics, cfg.validate), cfg.section("validate", "detector")
     elif mcfg.samples == "aligner":
         metrics = aligner_metrics(cfg, model, runner, root)
         failures, limits = gate_other("aligner", metrics, cfg.validate), cfg.section("validate", "aligner")

@@ -146,5 +146,6 @@ def synthetic_feed(kind: str, input_shape: tuple[int, ...], batch: int, seed: in
     if kind == "aligner":  # one image of input_shape, `batch` faces to cut out of it
         theta = np.tile(np.array([[[1.0, 0.0, 20.0], [0.0, 1.0, 20.0]]], np.float32), (batch, 1, 1))
         return {"image": rng.uniform(0, 255, (1, *input_shape)).astype(np.float32), "theta": theta}
-    low, high = (0.0, 255.0) if kind == "chips" else (-1.0, 1.0)  # MTCNN nets take normalised pixels
+    # chips: pixels 0..255; RetinaFace: BGR pixels minus its mean; MTCNN nets: normalised pixels
+    low, high = {"chips": (0.0, 255.0), "retinaface": (-127.0, 151.0)}.get(kind, (-1.0, 1.0))
     return {"input": rng.uniform(low, high, (batch, *input_shape)).astype(np.float32)}
