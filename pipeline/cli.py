@@ -75,18 +75,23 @@ def cmd_identify(args) -> int:
     if args.release:
         tmp = tempfile.TemporaryDirectory(prefix="kiln-release-")
         release_dir = Path(tmp.name)
+    cfg.system(args.system)             # an unknown system: one clear error, before anything loads
     if args.target == "pytorch":
+        if args.system != "dlib-mtcnn":
+            raise KilnError(f"--target pytorch: the eager reference is the default system only, not {args.system}",
+                            "pick an engine target (e.g. --target ort-cpu)")
         system = System.eager(cfg)
     elif args.target == "fastest":
-        system = System.fastest(cfg, release_dir=release_dir)
+        system = System.fastest(cfg, release_dir=release_dir, system=args.system)
     else:
-        system = System.from_engines(cfg, args.target, args.precision, release_dir=release_dir)
+        system = System.from_engines(cfg, args.target, args.precision, release_dir=release_dir, system=args.system)
     system.enroll()
     if args.gallery:
         system.use_index(args.gallery)
     print("engines: " + ", ".join(f"{m}={e}" for m, e in system.engines.items()))
     missing = 0
-    threshold = cfg.model("embedder").verify_threshold
+    embedder = cfg.model(cfg.system(args.system).embedder)
+    rule = f"cosine ≥ {embedder.verify_threshold}" if embedder.metric == "cosine" else f"L2 < {embedder.verify_threshold}"
     for path, rgb in rgbs:
         matches = system.identify(rgb)
         note = f" (downscaled to {rgb.shape[1]}×{rgb.shape[0]})" if max(rgb.shape[:2]) == MAX_SIDE else ""
@@ -98,7 +103,7 @@ def cmd_identify(args) -> int:
         for i, m in enumerate(matches):
             box = ", ".join(f"{v:.0f}" for v in m.box)
             print(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {m.identity} "
-                  f"(nearest {m.nearest}, L2 {m.distance:.3f}, threshold {threshold})")
+                  f"(nearest {m.nearest}, {m.metric} {m.distance:.3f}; same person when {rule})")
     return 1 if missing else 0
 
 
@@ -329,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gallery", type=int, metavar="SIZE",
                    help="match through the chosen FAISS index of this gallery size (default: brute force over the "
                         "golden enrolment chips)")
+    p.add_argument("--system", default="dlib-mtcnn",
+                   help="the face system (params.yaml `systems:`: a detector and an embedder), e.g. sface-retinaface "
+                        "after `kiln profile sface-retinaface`")
     p = add("compare", cmd_compare, "layer by layer, where two ONNX graphs of one model part ways on its golden "
             "feed: cosine, max |Δ|, SNR and the error each layer adds; the first layer below --min-snr-db")
     p.add_argument("a", help="ONNX file, or an export / quantized / ort-cpu engine directory (manifest verified)")

@@ -1,12 +1,16 @@
 """End to end: photo → faces → chips → embeddings → identities, on the built engines of one target.
 
-The four graphs (detector nets, aligner, embedder) run as compiled engines through the target protocol, each
-loaded only after its files verify against its manifest (pipeline/engines.py); only the glue between them
-(pyramid, NMS, box maths, the landmark→template fit) is numpy. `System.eager()` builds the same system from the
-PyTorch reference modules, for comparison.
+A system (params.yaml `systems:`) is a detector and an embedder. `dlib-mtcnn`: the MTCNN nets, the aligner graph
+and the dlib embedder; a `retinaface` detector is one single-shot graph (pipeline/models/retinaface.py decodes it).
+The graphs run as compiled engines through the target protocol, each loaded only after its files verify against
+its manifest (pipeline/engines.py); only the glue between them (pyramid, anchors, NMS, box maths, the
+landmark→template fit) is numpy. An embedder with its own chip geometry (models.<m>.preprocess) has no aligner
+engine: its chips come from the same reference warp its image sets were made with. `System.eager()` builds the
+default system from the PyTorch reference modules, for comparison.
 
-Matching is a brute-force L2 search over a gallery enrolled from the golden set's un-augmented chips with the
-system's own embedder, or (`use_index`) the chosen FAISS index of a gallery size, verified before it is read.
+Matching is a brute-force search over a gallery enrolled from the golden set's un-augmented chips with the system's
+own embedder, in its own metric (L2, or cosine between unit vectors) and threshold, or (`use_index`, the default
+embedder only) the chosen FAISS index of a gallery size, verified before it is read.
 """
 
 from __future__ import annotations
@@ -19,51 +23,66 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import engines, paths
+from pipeline import engines, paths, samples
 from pipeline.stage import address
-from pipeline.config import Config
-from pipeline.data import load_set, to_nchw
+from pipeline.config import MTCNN, Config
+from pipeline.data import load_set
 from pipeline.errors import KilnError
-from pipeline.models import mtcnn
+from pipeline.facemetrics import as_l2
+from pipeline.models import mtcnn, retinaface
+from pipeline.models.align import align as reference_warp
 from pipeline.models.align import chip_transform
 
 NETS = ("pnet", "rnet", "onet")
 GRAPHS = (*NETS, "aligner", "embedder")
 STAGES = (*NETS, "detect_glue", "align", "embed", "match")
+DEFAULT_SYSTEM = "dlib-mtcnn"
+
+
+def graphs(cfg: Config, system: str = DEFAULT_SYSTEM) -> tuple[str, ...]:
+    """The models a system runs, in order: detector graph(s), the aligner (default chip geometry only), embedder."""
+    spec = cfg.system(system)
+    det = NETS if spec.detector == MTCNN else (spec.detector,)
+    aligner = ("aligner",) if cfg.model(spec.embedder).preprocess is None and "aligner" in cfg.models else ()
+    return (*det, *aligner, spec.embedder)
 
 
 @dataclass(frozen=True)
 class Match:
     box: tuple[float, float, float, float]
     score: float
-    identity: str          # "unknown" when the nearest gallery face is farther than the threshold
+    identity: str          # "unknown" when the nearest gallery face is beyond the threshold
     nearest: str
-    distance: float
+    distance: float        # L2 distance (metric l2) or cosine similarity (metric cosine) to the nearest
+    metric: str = "l2"
 
 
 @dataclass
 class System:
     name: str
-    nets: tuple[Callable, Callable, Callable]          # numpy (N,3,H,W) → tuple of outputs
-    align: Callable[[np.ndarray, np.ndarray], np.ndarray]  # image (1,3,H,W), theta (N,2,3) → chips (N,3,S,S)
-    embed: Callable[[np.ndarray], np.ndarray]          # chips (N,3,S,S) 0..255 → (N,D)
+    nets: tuple[Callable, ...]          # numpy (N,3,H,W) → tuple of outputs: the 3 MTCNN nets, or the one detector
+    # image (1,3,H,W), theta (N,2,3) → chips (N,3,S,S): the aligner graph; None: the reference warp onto the
+    # embedder's own template
+    align: Callable[[np.ndarray, np.ndarray], np.ndarray] | None
+    embed: Callable[[np.ndarray], np.ndarray]          # the embedder's input (N,3,S,S) → (N,D)
     cfg: Config
     engines: dict[str, str] = field(default_factory=dict)
     gallery: tuple[np.ndarray, list[str]] | None = None
     index: tuple[object, np.ndarray, tuple[str, ...]] | None = None   # (faiss index, row labels, identity names)
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    system: str = DEFAULT_SYSTEM
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_engines(cls, cfg: Config, target: str, precision: str, root: Path = Path("."),
-                     release_dir: Path | None = None) -> "System":
+                     release_dir: Path | None = None, system: str = DEFAULT_SYSTEM) -> "System":
         """Per graph, the built engine of `target` in `precision`, else its FP32 engine (which one is recorded).
 
         With `release_dir`, each engine is instead its MLflow `production` version, downloaded there and verified
         against its checksums (what a release engineer ships), rather than the local build.
         """
         picks = {}
-        for model in GRAPHS:
+        for model in graphs(cfg, system):
             options = [e for e in cfg.engines_of(model) if e.target == target]
             pick = next((e for e in options if e.precision == precision), None) or \
                 next((e for e in options if e.precision == "fp32"), None)
@@ -71,10 +90,11 @@ class System:
                 raise KilnError(f"no {target} engine for {model!r} in params.yaml `engines:`",
                                 f"add one (e.g. {model}-{target}-fp32) and build it: dvc repro")
             picks[model] = pick.name
-        return cls.from_picks(cfg, f"{target}-{precision}", picks, root, release_dir)
+        return cls.from_picks(cfg, f"{target}-{precision}", picks, root, release_dir, system)
 
     @classmethod
-    def fastest(cls, cfg: Config, root: Path = Path("."), release_dir: Path | None = None) -> "System":
+    def fastest(cls, cfg: Config, root: Path = Path("."), release_dir: Path | None = None,
+                system: str = DEFAULT_SYSTEM) -> "System":
         """Per graph, the engine the leaderboard marked: the fastest at batch 1 on this host that passed its gate
         (artifacts/reports/leaderboard.json; every engine is still verified when it loads)."""
         import json
@@ -83,18 +103,19 @@ class System:
         if not board.is_file():
             raise KilnError(f"{board}: no leaderboard", "build it: dvc repro leaderboard")
         winners = {r["model"]: r["engine"] for r in json.loads(board.read_text()) if r.get("best")}
-        missing = [m for m in GRAPHS if m not in winners]
+        missing = [m for m in graphs(cfg, system) if m not in winners]
         if missing:
             raise KilnError(f"{board}: no engine of {', '.join(missing)} passed its gate and was timed here",
                             "build and bench them: dvc repro")
-        return cls.from_picks(cfg, "fastest-per-graph", {m: winners[m] for m in GRAPHS}, root, release_dir)
+        return cls.from_picks(cfg, "fastest-per-graph", {m: winners[m] for m in graphs(cfg, system)}, root,
+                              release_dir, system)
 
     @classmethod
     def from_picks(cls, cfg: Config, name: str, picks: dict[str, str], root: Path = Path("."),
-                   release_dir: Path | None = None) -> "System":
+                   release_dir: Path | None = None, system: str = DEFAULT_SYSTEM) -> "System":
         """The system of one named engine per graph (model → engine name from params.yaml `engines:`)."""
         chosen, dirs = {}, {}
-        for model in GRAPHS:
+        for model in graphs(cfg, system):
             pick = cfg.engine(picks[model])
             if pick.model != model:
                 raise KilnError(f"engine {pick.name} is a {pick.model} engine, not a {model} one",
@@ -110,12 +131,20 @@ class System:
                                 f"build it first: dvc repro {address(f'compile@{pick.name}')}")
             dirs[model], chosen[model] = paths.engine(pick.name, root), pick.name
         runners = {m: engines.load(cfg.engine(picks[m]).target, d, picks[m]) for m, d in dirs.items()}
-        nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m]) for m in NETS)
-        return cls(name, nets, lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0],
-                   runners["embedder"].run, cfg, chosen)
+        spec = cfg.system(system)
+        nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m])
+                     for m in (NETS if spec.detector == MTCNN else (spec.detector,)))
+        align = None
+        if "aligner" in runners:
+            align = lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0]  # noqa: E731
+        else:
+            size = cfg.model(spec.embedder).preprocess.chip_size
+            chosen["align"] = f"pytorch reference warp {size}×{size} (no aligner engine for this chip geometry)"
+        return cls(name, nets, align, runners[spec.embedder].run, cfg, chosen, system=system)
 
     @classmethod
     def eager(cls, cfg: Config, root: Path = Path(".")) -> "System":
+        """The default system (dlib-mtcnn) from its PyTorch reference modules."""
         import torch
 
         from pipeline import models
@@ -140,11 +169,17 @@ class System:
         self.timings[stage] += (time.perf_counter() - t0) * 1e3
         return out
 
+    @property
+    def _embedder(self):
+        return self.cfg.model(self.cfg.system(self.system).embedder)
+
     def enroll(self, root: Path = Path(".")) -> None:
-        """Gallery = the golden set's un-augmented chips, embedded by this system's embedder."""
-        gset = load_set(paths.data_set("golden", root))
+        """Gallery = the golden set's un-augmented chips (the embedder's own chip geometry), embedded by this
+        system's embedder."""
+        mcfg = self._embedder
+        gset = load_set(paths.data_set(samples.chip_set(self.cfg, mcfg.name, "golden"), root))
         plain = [i for i, s in enumerate(gset.index["samples"]) if s["augmentation"] is None]
-        emb = self.embed(to_nchw(gset.chips[plain]))
+        emb = self.embed(samples.chip_input(mcfg, gset.chips[plain]))
         self.gallery = (emb, [gset.identities[gset.labels[i]] for i in plain])
 
     def use_index(self, size: int, root: Path = Path(".")) -> None:
@@ -153,6 +188,9 @@ class System:
         from pipeline.matching import index as ix
         from pipeline.matching.spec import IndexSpec
 
+        if self.cfg.system(self.system).embedder != "embedder":
+            raise KilnError(f"system {self.system}: the FAISS galleries hold the default embedder's embeddings",
+                            "match this system against its own enrolled gallery (drop --gallery)")
         name = paths.gallery_name(size)
         d = paths.index(size, root)
         if not manifest_path(d, name).is_file():
@@ -170,35 +208,53 @@ class System:
         """Faces in `rgb`, best first; `exclude` drops one gallery entry (leave-one-out checks)."""
         if self.gallery is None:
             raise RuntimeError("enroll() the gallery first")
-        data = self.cfg.data
-        det_cfg = mtcnn.DetectorConfig(min_face_size=data.min_face_size)
-        nets = [(lambda s, f: (lambda x: self._timed(s, f, x)))(s, f) for s, f in zip(NETS, self.nets)]
-        in_nets = sum(self.timings[s] for s in NETS)
+        data, spec, mcfg = self.cfg.data, self.cfg.system(self.system), self._embedder
+        names = NETS if spec.detector == MTCNN else (spec.detector,)
+        nets = [(lambda s, f: (lambda x: self._timed(s, f, x)))(s, f) for s, f in zip(names, self.nets)]
+        in_nets = sum(self.timings[s] for s in names)
         t0 = time.perf_counter()
-        faces = mtcnn.detect(rgb, *nets, det_cfg)
-        # pyramid, crops, NMS and box maths: the detector's wall time minus what its nets took
-        self.timings["detect_glue"] += (time.perf_counter() - t0) * 1e3 - (sum(self.timings[s] for s in NETS) - in_nets)
+        if spec.detector == MTCNN:
+            faces = mtcnn.detect(rgb, *nets, mtcnn.DetectorConfig(min_face_size=data.min_face_size))
+        else:
+            decode = self.cfg.model(spec.detector).decode
+            faces = retinaface.detect(rgb, nets[0], retinaface.DecodeConfig(**({} if decode is None else {
+                "score_threshold": decode.score_threshold, "nms_threshold": decode.nms_threshold})))
+        # pyramid / anchors, crops, NMS and box maths: the detector's wall time minus what its nets took
+        self.timings["detect_glue"] += (time.perf_counter() - t0) * 1e3 - (sum(self.timings[s] for s in names) -
+                                                                          in_nets)
         if not faces:
             return []
-        template = np.asarray(data.template)
+        pre = mcfg.preprocess
+        template = np.asarray(data.template if pre is None else pre.template)
         theta = np.stack([chip_transform(f.landmarks, template) for f in faces])
-        image = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32)
-        chips = self._timed("align", self.align, image, theta)
-        emb = self._timed("embed", self.embed, np.ascontiguousarray(chips, np.float32))
+        if self.align is not None:
+            image = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32)
+            chips = np.ascontiguousarray(self._timed("align", self.align, image, theta), np.float32)
+        else:   # as the embedder's image sets were made: the reference warp, rounded to pixels, then its input
+            warp = lambda: samples.chip_input(mcfg, np.clip(np.rint(reference_warp(rgb, theta, pre.chip_size)),  # noqa: E731
+                                                            0, 255).astype(np.uint8))
+            chips = self._timed("align", warp)
+        emb = self._timed("embed", self.embed, chips)
         if self.index is not None and exclude is None:
             found = self._timed("match", self._search_index, emb)
         else:
-            gal, names = self.gallery
-            keep = np.arange(len(names)) != (-1 if exclude is None else exclude)
+            gal, who = self.gallery
+            keep = np.arange(len(who)) != (-1 if exclude is None else exclude)
+            gal_m, _ = as_l2(gal[keep], mcfg.verify_threshold, mcfg.metric)
+            q_m, thr_l2 = as_l2(emb, mcfg.verify_threshold, mcfg.metric)
 
             def match(e):
-                d = np.linalg.norm(gal[keep] - e, axis=1)
+                d = np.linalg.norm(gal_m - e, axis=1)
                 j = int(np.argmin(d))
-                return [n for n, k in zip(names, keep) if k][j], float(d[j])
+                return [n for n, k in zip(who, keep) if k][j], float(d[j])
 
-            found = self._timed("match", lambda: [match(e) for e in emb])
-        thr = self.cfg.model("embedder").verify_threshold
-        return [Match(f.box, f.score, n if d < thr else "unknown", n, d) for f, (n, d) in zip(faces, found)]
+            found = self._timed("match", lambda: [match(e) for e in q_m])
+            if mcfg.metric == "cosine":     # report the similarity the model's threshold is written in
+                found = [(n, 1.0 - d * d / 2.0) for n, d in found]
+        thr = mcfg.verify_threshold
+        same = (lambda d: d >= thr) if mcfg.metric == "cosine" else (lambda d: d < thr)  # noqa: E731
+        return [Match(f.box, f.score, n if same(d) else "unknown", n, d, mcfg.metric)
+                for f, (n, d) in zip(faces, found)]
 
     def _search_index(self, emb: np.ndarray) -> list[tuple[str, float]]:
         from pipeline.matching import index as ix

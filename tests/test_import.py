@@ -19,6 +19,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline import config, dag, onnx_import, profiles, samples
+from pipeline.models import retinaface
 from pipeline.errors import KilnError
 from pipeline.facemetrics import as_l2, face_metrics
 from conftest import REPO, make_root, write_params
@@ -227,24 +228,105 @@ def test_chip_input_follows_the_declared_preprocessing():
     np.testing.assert_allclose(x[:, 2], (chips[..., 0] - 30.0) / 8)
 
 
-def test_sface_from_the_pinned_wheel_imports_and_its_engine_passes_the_face_gate(tmp_path, assets_dir):
-    """The real file users ship: OpenCV Zoo's SFace. Own chips, ORT reference on the original, import, an ort-cpu
-    engine, and the embedder gate in its own (cosine) metric."""
-    from pipeline.stages import compile as compile_stage
-    from pipeline.stages import dataset, fingerprint, golden, imports, validate
+def test_retinaface_decode_inverts_the_anchor_encoding():
+    """One anchor with known offsets decodes to the box and landmarks the encoding says; NMS keeps the best."""
+    h, w = 64, 48
+    a = retinaface.anchors(h, w)
+    assert len(a) == sum(2 * -(-h // s) * -(-w // s) for s in retinaface.STRIDES)
+    loc, conf, marks = np.zeros((len(a), 4)), np.zeros((len(a), 2)), np.zeros((len(a), 10))
+    k = 7                                                   # stride 8, cell (0, 3), the 32-px anchor
+    cx, cy, s = a[k, 0], a[k, 1], a[k, 2]
+    loc[k] = [0.5, -0.5, np.log(1.5) / 0.2, 0.0]           # centre moved by ±0.05 s, width ×1.5
+    marks[k] = np.tile([1.0, 2.0], 5)
+    conf[:, 1] = 0.01
+    conf[k, 1] = conf[k + 2, 1] = 0.99                      # and a duplicate one cell to the right: NMS drops it
+    loc[k + 2] = loc[k] + [(a[k, 0] - a[k + 2, 0]) / (0.1 * s), 0, 0, 0]
+    (face,) = retinaface.decode(loc, conf, marks, h, w)
+    x1, y1, x2, y2 = face.box
+    assert np.allclose([(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1],
+                       [cx + 0.05 * s, cy - 0.05 * s, 1.5 * s, s])
+    assert np.allclose(face.landmarks, [[cx + 0.1 * s, cy + 0.2 * s]] * 5) and face.score == pytest.approx(0.99)
 
-    root = make_root(tmp_path, assets_dir)
+
+def test_a_bytes_literal_is_read_without_running_the_module():
+    from pipeline.assets import bytes_literal
+
+    assert bytes_literal(b"import os\nWEIGHTS = b'\\x08\\x06onnx'\n", "WEIGHTS", "w.py") == b"\x08\x06onnx"
+    for src in (b"WEIGHTS = open('x').read()\n", b"OTHER = b''\n", b"WEIGHTS = 'text'\n", b"def (:\n"):
+        with pytest.raises(KilnError, match="w.py"):
+            bytes_literal(src, "WEIGHTS", "w.py")
+
+
+@pytest.fixture(scope="module")
+def byo_root(tmp_path_factory, assets_dir):
+    """A scratch project with the sface-retinaface profile: both models imported and built on ort-cpu."""
+    from pipeline.stages import compile as compile_stage
+    from pipeline.stages import dataset, fingerprint, golden, imports
+
+    root = make_root(tmp_path_factory.mktemp("byo"), assets_dir)
     cfg = config.load(write_params(root, _sface))
     dataset.run(cfg, "golden-sface", root)
-    g = golden.run(cfg, "sface", root).summary
+    out = {"cfg": cfg, "root": root}
+    for m in ("sface", "retinaface"):
+        out[f"golden-{m}"] = golden.run(cfg, m, root).summary
+        out[f"import-{m}"] = imports.run(cfg, m, root)
+    fingerprint.run(cfg, root)
+    for m in ("sface", "retinaface"):
+        compile_stage.run(cfg, f"{m}-ort-cpu-fp32", root, check=False)
+    return out
+
+
+def test_sface_from_the_pinned_wheel_imports_and_its_engine_passes_the_face_gate(byo_root):
+    """The real file users ship: OpenCV Zoo's SFace. Own chips, ORT reference on the original, import, an ort-cpu
+    engine, and the embedder gate in its own (cosine) metric."""
+    from pipeline.stages import validate
+
+    g, r = byo_root["golden-sface"], byo_root["import-sface"]
     assert g["outputs"] == {"fc1": [128]}
     # SFace separates the pinned people at its own threshold (cosine 0.363 ⇔ L2 1.129 between unit vectors)
     assert g["plain_chips"]["same_l2_max"] < 1.129 < g["plain_chips"]["diff_l2_min"]
-    r = imports.run(cfg, "sface", root)
     assert r.report["folded"]["DequantizeLinear"] == 29 and r.report["dropped_unfed_inputs"] == 29
     assert "BatchNormalization" not in r.ops and r.parity["cosine_min"] > 0.99999
-    fingerprint.run(cfg, root)
-    compile_stage.run(cfg, "sface-ort-cpu-fp32", root, check=False)
-    v = validate.run(cfg, "sface-ort-cpu-fp32", root)
+    v = validate.run(byo_root["cfg"], "sface-ort-cpu-fp32", byo_root["root"])
     assert v.passed, v
     assert v.metrics["top1_accuracy"] == 1.0 and v.metrics["cosine_min"] > 0.9999
+
+
+def test_retinaface_from_the_pinned_wheel_passes_the_detector_gate(byo_root):
+    from pipeline.stages import validate
+
+    r = byo_root["import-retinaface"]
+    assert r.report["source_opset"] == 11 and r.report["opset"] == 13 and r.report["converted_from_opset"] == 11
+    assert byo_root["golden-retinaface"]["outputs"]["conf"][1] == 2
+    v = validate.run(byo_root["cfg"], "retinaface-ort-cpu-fp32", byo_root["root"])
+    assert v.passed, v
+    m = v.metrics
+    assert m["reference_faces"] == 6 and m["box_iou_min"] > 0.99 and m["lfw_faces_found"] >= 95
+    assert m["lfw_nonfaces_accepted"] <= 5 and m["face_agreement"] == 1.0
+
+
+def test_sface_retinaface_names_the_pinned_people_and_holds_out_each(byo_root, capsys, monkeypatch):
+    """`kiln identify --system sface-retinaface`: RetinaFace finds the face, SFace embeds it on its own template,
+    matching in cosine at its threshold; leave-one-out as for dlib-mtcnn."""
+    from pipeline import cli
+    from pipeline.data import list_photos, load_rgb
+    from pipeline.e2e import System
+
+    cfg, root = byo_root["cfg"], byo_root["root"]
+    s = System.from_engines(cfg, "ort-cpu", "fp32", root, system="sface-retinaface")
+    assert s.engines["retinaface"] == "retinaface-ort-cpu-fp32" and s.engines["sface"] == "sface-ort-cpu-fp32"
+    assert "aligner" not in s.engines and "reference warp 112" in s.engines["align"]
+    s.enroll(root)
+    photos = list_photos(root / cfg.data.photos)
+    for i, p in enumerate(photos):
+        (m,) = s.identify(load_rgb(p.path))
+        assert m.identity == p.identity and m.metric == "cosine" and m.distance > 0.9, (p.path.name, m)
+        (loo,) = s.identify(load_rgb(p.path), exclude=i)
+        expected = p.identity if sum(q.identity == p.identity for q in photos) > 1 else "unknown"
+        assert loo.identity == expected, (p.path.name, loo)
+    monkeypatch.chdir(root)
+    assert cli.main(["identify", "--system", "sface-retinaface", "--precision", "fp32", str(photos[0].path)]) == 0
+    out = capsys.readouterr().out
+    assert photos[0].identity in out and "same person when cosine ≥ 0.363" in out
+    assert cli.main(["identify", "--system", "nope", str(photos[0].path)]) == 2
+    assert "no system named 'nope'" in capsys.readouterr().err
