@@ -366,11 +366,18 @@ def reference_session(proto: onnx.ModelProto):
     """ONNX Runtime on `runnable(proto)` with graph optimizations off: the reference of an ONNX-sourced model."""
     import onnxruntime as ort
 
+    from pipeline import opsupport
+
     m, _ = runnable(proto)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    try:
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 — ORT's own Fail / NotImplemented / InvalidGraph types
+        raise KilnError(f"ONNX Runtime, the reference of an imported model, cannot run it: "
+                        f"{', '.join(opsupport.ort_ops(str(e)))}",
+                        "replace those ops in the model (or export it at an opset ONNX Runtime implements)") from None
     fixed = sess.get_inputs()[0].shape[0]
     step = fixed if isinstance(fixed, int) and fixed > 0 else None
     inputs = [i.name for i in sess.get_inputs()]

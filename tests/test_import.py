@@ -150,6 +150,35 @@ def test_each_way_a_users_model_is_wrong_is_one_clear_error(tmp_path):
     assert "2 inputs (data, second)" in e.message
 
 
+def _no_such_op(tmp: Path) -> tuple[Path, str]:
+    """A model with an op of a domain no toolchain knows: onnx.checker and shape inference let it through."""
+    g = helper.make_graph([helper.make_node("Relu", ["input"], ["x"]),
+                           helper.make_node("NoSuchOp", ["x"], ["y"], domain="kiln.test")], "g",
+                          [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("kiln.test", 1)])
+    return _save(tmp, m, "nosuch.onnx")
+
+
+def test_an_op_a_target_cannot_run_is_named_per_target(tmp_path):
+    from pipeline import opsupport
+    from pipeline.stages import imports
+
+    path, sha = _no_such_op(tmp_path)
+    src = onnx_import.verify_source(path, sha, "tiny")              # valid ONNX as far as the checker goes
+    e = _err(lambda: onnx_import.reference_session(src))             # golden@: the reference cannot run it
+    assert "NoSuchOp" in e.message and "ONNX Runtime" in e.message
+    got = opsupport.unsupported(path, ["ort-cpu", "openvino-cpu", "tensorrt", "aoti-cpu"])
+    assert got["ort-cpu"] == ["kiln.test:NoSuchOp"] and got["openvino-cpu"] == ["kiln.test.NoSuchOp"]
+    assert got["tensorrt"] and "NoSuchOp" in got["tensorrt"][0] and got["aoti-cpu"].startswith("not checked")
+    cfg = config.load(write_params(tmp_path, _sface))
+    e = _err(lambda: imports.op_support(cfg, "sface", path))         # import@: per engine target of the model
+    assert "ort-cpu: kiln.test:NoSuchOp" in e.message and "openvino-cpu: kiln.test.NoSuchOp" in e.message
+    assert "sface-" not in e.message and "engines" in e.hint
+    tiny, _ = _save(tmp_path, onnx_import.prepare(_tiny(), _mcfg(path, sha), "tiny")[0], "imported.onnx")
+    assert imports.op_support(cfg, "sface", tiny) == {"openvino-cpu": "all supported", "ort-cpu": "all supported"}
+
+
 def _sface(raw: dict) -> None:
     profiles.merge(raw, profiles.load("sface-retinaface", REPO))
 

@@ -4,7 +4,8 @@ For a model delivered as ONNX this stage replaces export@: the same output (mode
 so calibrate@, quantize@, compile@, validate@ and bench@ treat it like an exported model. What it does
 (pipeline/onnx_import.py): sha256 pin and onnx.checker, structural fixes that change no value, weight-only nodes
 folded to FP32, a fixed batch of 1 made dynamic, strict shape inference, the declared input size and the role's
-output rank checked, the op inventory recorded; then the same parity gate as export@ (params `export.parity`)
+output rank checked, the op inventory recorded, every ONNX target the model has engines for asked which ops it
+cannot run (pipeline/opsupport.py: any → one error naming them per target); then the same parity gate as export@ (params `export.parity`)
 against golden@<model> — ONNX Runtime on the original file with graph optimizations off.
 """
 
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import onnx
 
-from pipeline import models, onnx_import, paths, samples, stage
-from pipeline.errors import GateFailed
+from pipeline import models, onnx_import, opsupport, paths, samples, stage, targets
+from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import atomic_dir, build_manifest, file_input, input_ref, manifest_path, write_manifest
 from pipeline.stages.export import check_graph, parity
 from pipeline.stages.golden import load_reference
@@ -43,6 +44,20 @@ class ImportResult:
     report: dict
     parity: dict
     ops: dict[str, int]
+    support: dict
+
+
+def op_support(cfg, model_name: str, onnx_path: Path) -> dict:
+    """Each ONNX target this model has engines for, asked which ops it cannot run; any → one error naming them."""
+    wanted = sorted({e.target for e in cfg.engines_of(model_name) if targets.source_kind(e.target) == "onnx"})
+    support = opsupport.unsupported(onnx_path, wanted)
+    bad = {t: ops for t, ops in support.items() if isinstance(ops, list) and ops}
+    if bad:
+        raise KilnError(f"import@{model_name}: {cfg.model(model_name).onnx.path} has ops these targets cannot run: "
+                        + "; ".join(f"{t}: {', '.join(ops)}" for t, ops in bad.items()),
+                        f"drop the {', '.join(bad)} engines of {model_name} from params.yaml `engines:`, or replace "
+                        "those ops in the model")
+    return {t: ("all supported" if v == [] else v) for t, v in support.items()}
 
 
 def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
@@ -58,6 +73,7 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
         onnx_path = d / paths.ONNX_FILE
         onnx.save(imported, str(onnx_path))
         ops, shapes = check_graph(onnx_path)
+        support = op_support(cfg, model_name, onnx_path)
         par = parity(onnx_path, feeds, reference)
         max_abs = ecfg.parity.max_abs if mcfg.parity_max_abs is None else mcfg.parity_max_abs
         if not (par["max_abs"] <= max_abs and par["cosine_min"] >= ecfg.parity.min_cosine):
@@ -68,6 +84,7 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
         results = {"parity": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in par.items()},
                    "parity_limits": {"max_abs": max_abs, "min_cosine": ecfg.parity.min_cosine},
                    "ops": ops, "nodes": sum(ops.values()), "outputs": shapes, "import": report,
+                   "op_support": support,
                    "bytes": {"source": src.stat().st_size, "imported": onnx_path.stat().st_size}}
         write_manifest(d, build_manifest(
             kind="onnx", name=model_name, model=model_name, precision="fp32", directory=d, files=[onnx_path],
@@ -77,7 +94,7 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
                    "dynamic_axes": {k: list(v) for k, v in mcfg.dynamic.items()},
                    "inputs": {k: list(v.shape) for k, v in feeds[0].items()}},
             results=results, **STAGE.identity(cfg, model_name, root)))
-    return ImportResult(out / paths.ONNX_FILE, report, results["parity"], ops)
+    return ImportResult(out / paths.ONNX_FILE, report, results["parity"], ops, support)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  parity vs the original file (ONNX Runtime, golden@) on {p['samples']} golden samples: max |Δ| "
               f"{p['max_abs']:.2e}, cosine min {p['cosine_min']:.7f}")
         print("  ops: " + ", ".join(f"{k}×{v}" for k, v in r.ops.items()))
+        print("  op support: " + "; ".join(f"{t}: {v}" for t, v in r.support.items()))
         return 0
 
     return stage.main(STAGE, body, argv, key_help="an ONNX-sourced model from params.yaml (models.<m>.onnx)")
