@@ -241,7 +241,7 @@ class System:
             gal, who = self.gallery
             keep = np.arange(len(who)) != (-1 if exclude is None else exclude)
             gal_m, _ = as_l2(gal[keep], mcfg.verify_threshold, mcfg.metric)
-            q_m, thr_l2 = as_l2(emb, mcfg.verify_threshold, mcfg.metric)
+            q_m, _ = as_l2(emb, mcfg.verify_threshold, mcfg.metric)
 
             def match(e):
                 d = np.linalg.norm(gal_m - e, axis=1)

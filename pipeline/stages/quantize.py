@@ -231,7 +231,7 @@ def contract(recipe: Recipe, inv: dict) -> list[str]:
 
 
 def golden_check(cfg, onnx_path: Path, root: Path, model_name: str) -> dict[str, float]:
-    """Informational: ORT CPU on the golden inputs vs the FP32 PyTorch reference (cosine / max |Δ|)."""
+    """Informational: ORT CPU on the golden inputs vs the FP32 reference, golden@ (cosine / max |Δ|)."""
     from pipeline.stages.export import parity
     from pipeline.stages.golden import load_reference
 
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k}×{v}" for k, v in r.quantized_ops.items()) + f"); {len(r.float_nodes)} float"
               + (f" ({', '.join(r.float_nodes)})" if r.float_nodes else ""))
         print(f"  ranges for {r.ranges['with_range']}/{r.ranges['graph_tensors']} activation tensors; golden cosine "
-              f"vs PyTorch FP32 on {g['samples']} samples: min {g['cosine_min']:.5f}, mean {g['cosine_mean']:.5f} "
+              f"vs the FP32 reference (golden@) on {g['samples']} samples: min {g['cosine_min']:.5f}, mean {g['cosine_mean']:.5f} "
               "(informational; validate gates)")
         return 0
 
