@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths, scratch, stage, targets
+from pipeline import paths, samples, scratch, stage, targets
 from pipeline.config import EngineSpec
 from pipeline.targets import source_kind
 from pipeline.errors import GateFailed, KilnError
@@ -29,11 +29,19 @@ STAGE = stage.Stage(
     "compile", "pipeline.stages.compile",
     "lower one model for one target and precision; audit fallbacks; prove the build reproducible",
     keys=lambda cfg: list(cfg.engines),
-    deps=lambda cfg, key: [cfg.engine(key).source],
-    params=lambda cfg, key: [f"engines.{key}", f"targets.{cfg.engine(key).target}"],
+    deps=lambda cfg, key: [cfg.engine(key).source,
+                           *(samples.deps(cfg, cfg.engine(key).model, "calibration") if _calibrates(cfg, key) else [])],
+    params=lambda cfg, key: [f"engines.{key}", f"targets.{cfg.engine(key).target}",
+                             *(samples.params(cfg, cfg.engine(key).model) if _calibrates(cfg, key) else [])],
     targets=lambda cfg, key: [cfg.engine(key).target],
     dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target)],
     outs=lambda cfg, key: [stage.Out(paths.engine(key).as_posix())])
+
+
+def _calibrates(cfg, key: str) -> bool:
+    """A program target's int8 engine is calibrated at compile (PT2E) on the stored calibration chips."""
+    e = cfg.engine(key)
+    return source_kind(e.target) == "program" and e.precision == "int8"
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,8 @@ def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpS
     src, src_manifest = source_artifact(spec, root)
     read_verified(src_manifest)             # the source must be exactly what its manifest says, before use
     target = targets.get(spec.target)
-    options = CompileOptions(spec.precision, targets.options(cfg, spec.target))
+    calibration = samples.stream(cfg, spec.model, "calibration", root) if _calibrates(cfg, engine_name) else None
+    options = CompileOptions(spec.precision, targets.options(cfg, spec.target), calibration)
     with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
         files = target.compile(src, options, out, Path(work))
     audit = target.audit(out, spec.precision)

@@ -24,6 +24,7 @@ TARGETS: dict[str, Entry] = {
     "ort-cpu": Entry("pipeline.targets.ort_cpu", "OrtCpu", "onnx", ("fp32", "int8")),
     "aoti-cpu": Entry("pipeline.targets.aoti", "AotiCpu", "program", ("fp32",)),
     "openvino-cpu": Entry("pipeline.targets.openvino", "OpenVinoCpu", "onnx", ("fp32", "bf16", "int8")),
+    "executorch-xnnpack": Entry("pipeline.targets.executorch", "ExecuTorchXnnpack", "program", ("fp32", "int8")),
     "tensorrt": Entry("pipeline.targets.tensorrt", "TensorRT", "onnx", ("fp32", "fp16", "int8")),
     "tensorrt-rtx": Entry("pipeline.targets.tensorrt_rtx", "TensorRTRTX", "onnx", ("fp32", "fp16", "int8")),
 }

@@ -92,6 +92,7 @@ class OpSupport:
 class CompileOptions:
     precision: str                  # fp32 | fp16 | int8
     options: Any                    # the target's validated options (its `options()` result)
+    calibration: Any = None         # program targets' int8: an iterable of feeds (the stored calibration chips)
 
 
 class Runner(Protocol):
