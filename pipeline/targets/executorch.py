@@ -39,6 +39,7 @@ COMPUTE = ("convolution", "linear", "mm", "addmm", "bmm", "matmul")
 
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0          # ExecuTorch's threadpool at load; 0 = cores
     max_batch: Annotated[StrictInt, Field(ge=1, le=1024)] = 32      # the batch bound memory planning sizes for
     per_channel: StrictBool = True                                  # int8: per-channel weight scales
 
@@ -111,7 +112,7 @@ class ExecuTorchXnnpack:
             ep = torch.export.export(convert_pt2e(observed), example, dynamic_shapes=shapes)
         program = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
         (out / PTE_FILE).write_bytes(program.buffer)
-        meta = {"precision": options.precision, "max_batch": opts.max_batch, "per_channel": opts.per_channel,
+        meta = {"precision": options.precision, "threads": opts.threads, "max_batch": opts.max_batch, "per_channel": opts.per_channel,
                 "calibration_samples": calibrated, "pte": PTE_FILE}
         (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
         return [out / PTE_FILE, out / OPTIONS_FILE]
@@ -179,6 +180,11 @@ class EtRunner:
         from executorch.runtime import Runtime
 
         self._torch = torch
+        threads = int(json.loads((engine_dir / OPTIONS_FILE).read_text()).get("threads", 0))
+        if threads:     # process-wide, like torch.set_num_threads for aoti-cpu
+            from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+            _unsafe_reset_threadpool(threads)
         self.method = Runtime.get().load_program(str(engine_dir / PTE_FILE)).load_method("forward")
         # the batch memory planning sized the inputs for (not always max_batch: 15 was seen for a bound of 32)
         self.max_batch = int(self.method.metadata.input_tensor_meta(0).sizes()[0])
