@@ -143,8 +143,12 @@ def fold_batchnorm(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     g = m.graph
     consts = {t.name: numpy_helper.to_array(t) for t in g.initializer}
     shapes = {v.name: _dims(v) for v in [*g.value_info, *g.input, *g.output]}
-    outputs = {o.name for o in g.output}
     nodes = list(g.node)
+    # Names an If / Loop body reads from this graph are kept like graph outputs: never renamed, folded away or swept
+    # (consumers() and the sweep below look at this graph's own nodes only).
+    outputs = {o.name for o in g.output} | {name for n in nodes for a in n.attribute
+                                             for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)
+                                             for name in _read_names(sub)}
 
     def consumers(name: str) -> list:
         return [n for n in nodes if name in n.input]

@@ -359,3 +359,35 @@ def test_sface_retinaface_names_the_pinned_people_and_holds_out_each(byo_root, c
     assert photos[0].identity in out and "same person when cosine ≥ 0.363" in out
     assert cli.main(["identify", "--system", "nope", str(photos[0].path)]) == 2
     assert "no system named 'nope'" in capsys.readouterr().err
+
+
+def test_batchnorm_folding_keeps_what_a_subgraph_reads():
+    """Conv → BN twice; an If's branches read the second Conv's output and a Constant nothing else reads. The first BN
+    folds; the second must not (its Conv's output would vanish), and the Constant must survive the dead-node sweep."""
+    c = 2
+    inits = [numpy_helper.from_array(RNG.normal(0, 0.3, (c, 3, 1, 1)).astype(np.float32), n) for n in ("w1", "w2")]
+    for name in ("bn1", "bn2"):
+        inits += [numpy_helper.from_array(RNG.uniform(0.5, 1.5, c).astype(np.float32), f"{name}_{k}")
+                  for k in ("g", "beta", "mean", "var")]
+    bn = lambda x, n, y: helper.make_node("BatchNormalization", [x, *(f"{n}_{k}" for k in ("g", "beta", "mean", "var"))],  # noqa: E731
+                                          [y])
+    out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, c, 4, 4])  # noqa: E731
+    branch = lambda op: helper.make_graph([helper.make_node(op, ["c2", "k"], [f"r_{op}"])], op, [], [out(f"r_{op}")])  # noqa: E731
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]), bn("c1", "bn1", "y1"),
+             helper.make_node("Conv", ["x", "w2"], ["c2"]), bn("c2", "bn2", "y2"),
+             helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32(0.5))),
+             helper.make_node("If", ["cond"], ["z"], then_branch=branch("Add"), else_branch=branch("Sub"))]
+    graph = helper.make_graph(nodes, "sub", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4]),
+                                             helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                              [out("y1"), out("y2"), out("z")], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    folded, rep = onnx_import.fold_batchnorm(proto)
+    assert rep["batchnorm_folded"] == {"BatchNormalization→Conv": 1}
+    assert [n.op_type for n in folded.graph.node] == ["Conv", "Conv", "BatchNormalization", "Constant", "If"]
+    onnx.checker.check_model(folded, full_check=True)
+    x = RNG.uniform(-1, 1, (1, 3, 4, 4)).astype(np.float32)
+    for cond in (True, False):
+        feed = {"x": x, "cond": np.array(cond)}
+        want = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+        got = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+        assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(got, want))
