@@ -8,9 +8,11 @@ Precisions:
   the stored calibration chips (`dataset@calibration`, the same set calibrate@ reads: compile@ passes the stream in
   `CompileOptions.calibration`), converted, re-exported and lowered the same way.
 
-Batch: the program's batch is unbounded, and ExecuTorch's memory planning then sizes the input for an arbitrary
-bound (15 here). The program is re-exported with the batch bounded by `max_batch`; the runner cuts a larger batch
-into pieces. Other dynamic dimensions (P-Net's H×W) are refused in one line.
+Batch: memory planning sizes every tensor for the batch's upper bound, and the program's batch is unbounded, so
+the program is re-exported with the batch bounded by `max_batch`, traced at that bound. Traced at a small batch (2),
+torch's fake convolution, re-run by XNNPACK's channels-last pass, picks its conv backend from the example's batch
+and adds the guard `batch < 16`: the plan shrank to batch 15. Compile checks the planned batch is `max_batch`; the
+runner cuts a larger batch into pieces. Other dynamic dimensions (P-Net's H×W) are refused in one line.
 
 Audit: the `.pte` itself, deserialized — the execution plan's instructions are delegate calls (XNNPACK subgraphs)
 and kernel calls (ops left outside the delegate, run by ExecuTorch's portable CPU kernels: the fallback). A compute
@@ -45,7 +47,8 @@ class Options(BaseModel):
 
 
 def _export_bounded(ep, max_batch: int):
-    """Re-export the program with every dynamic axis 0 bounded by `max_batch`; refuse other dynamic axes."""
+    """Re-export the program with every dynamic axis 0 bounded by `max_batch`, traced at that bound (a smaller
+    example lets a fake-tensor guard narrow the bound: see the module doc); refuse other dynamic axes."""
     import torch
 
     inputs = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
@@ -57,13 +60,13 @@ def _export_bounded(ep, max_batch: int):
             raise KilnError(f"executorch-xnnpack: input {node.name} has dynamic non-batch dimensions "
                             f"{tuple(i for i in dyn if i != 0)}", "build this graph for an ONNX target instead")
         shapes.append({0: torch.export.Dim(f"batch_{node.name}", min=1, max=max_batch)} if dyn else None)
-        example.append(torch.zeros([2 if not isinstance(s, int) else s for s in shape]))
+        example.append(torch.zeros([max_batch if not isinstance(s, int) else s for s in shape]))
     return torch.export.export(ep.module(), tuple(example), dynamic_shapes=tuple(shapes)), tuple(example), tuple(shapes)
 
 
 class ExecuTorchXnnpack:
     name = "executorch-xnnpack"
-    runtime = ("executorch",)
+    runtime = ("torch", "executorch")          # the runner hands torch tensors to executorch.runtime
     reproducibility = Reproducibility(
         "bit-identical", checked_at_compile=False, bound=1e-5,
         basis="lowering is deterministic from the program (and the calibration chips for int8); tens of seconds "
@@ -91,6 +94,9 @@ class ExecuTorchXnnpack:
             raise KilnError(f"{self.name}: precision {options.precision!r} is not built by this target",
                             f"use one of {', '.join(PRECISIONS)}")
         opts: Options = options.options
+        if options.precision == "int8" and options.calibration is None:
+            raise KilnError(f"{self.name}: an int8 engine needs the calibration chips",
+                            "compile it through compile@ (it passes dataset@calibration)")
         ep, example, shapes = _export_bounded(torch.export.load(str(source)), opts.max_batch)
         calibrated = 0
         if options.precision == "int8":
@@ -98,10 +104,8 @@ class ExecuTorchXnnpack:
                 XNNPACKQuantizer, get_symmetric_quantization_config)
             from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-            if options.calibration is None:
-                raise KilnError(f"{self.name}: an int8 engine needs the calibration chips",
-                                "compile it through compile@ (it passes dataset@calibration)")
-            quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=opts.per_channel))
+            config = get_symmetric_quantization_config(is_per_channel=opts.per_channel)
+            quantizer = XNNPACKQuantizer().set_global(config)
             observed = prepare_pt2e(ep.module(), quantizer)
             with torch.no_grad():
                 for feed in options.calibration:
@@ -112,8 +116,13 @@ class ExecuTorchXnnpack:
             ep = torch.export.export(convert_pt2e(observed), example, dynamic_shapes=shapes)
         program = to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()
         (out / PTE_FILE).write_bytes(program.buffer)
-        meta = {"precision": options.precision, "threads": opts.threads, "max_batch": opts.max_batch, "per_channel": opts.per_channel,
-                "calibration_samples": calibrated, "pte": PTE_FILE}
+        planned = self.plan(out)["planned_batch"]
+        if any(shapes) and planned != opts.max_batch:
+            raise KilnError(f"{self.name}: memory planning sized the input for batch {planned}, not max_batch "
+                            f"{opts.max_batch} (an export guard narrowed the bound)",
+                            "report it with the ExecuTorch version; a smaller max_batch may avoid the guard")
+        meta = {"precision": options.precision, "threads": opts.threads, "max_batch": opts.max_batch,
+                "per_channel": opts.per_channel, "calibration_samples": calibrated, "pte": PTE_FILE}
         (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
         return [out / PTE_FILE, out / OPTIONS_FILE]
 
@@ -134,7 +143,8 @@ class ExecuTorchXnnpack:
                     calls.append({"delegate": plan.delegates[args.delegate_index].id})
                 elif kind == "KernelCall":
                     calls.append({"kernel": ops[args.op_index]})
-        return {"method": plan.name, "calls": calls}
+        first = plan.values[plan.inputs[0]].val          # the first input as memory planning sized it
+        return {"method": plan.name, "calls": calls, "planned_batch": int(first.sizes[0])}
 
     def audit(self, engine_dir: Path, precision: str) -> OpSupport:
         native, fallback, other = Counter(), [], Counter()
@@ -151,8 +161,10 @@ class ExecuTorchXnnpack:
 
     def manifest_extras(self, engine_dir: Path) -> dict:
         meta = json.loads((engine_dir / OPTIONS_FILE).read_text())
-        return {"build": {"max_batch": meta["max_batch"], "calibration_samples": meta["calibration_samples"]},
-                "results": {"execution_plan": self.plan(engine_dir)}}
+        plan = self.plan(engine_dir)
+        return {"build": {"max_batch": meta["max_batch"], "planned_batch": plan.pop("planned_batch"),
+                          "calibration_samples": meta["calibration_samples"]},
+                "results": {"execution_plan": plan}}
 
     def accept_rebuild(self, mine: Path, other: Path, differing: list[str]) -> str | None:
         return None
@@ -186,7 +198,7 @@ class EtRunner:
 
             _unsafe_reset_threadpool(threads)
         self.method = Runtime.get().load_program(str(engine_dir / PTE_FILE)).load_method("forward")
-        # the batch memory planning sized the inputs for (not always max_batch: 15 was seen for a bound of 32)
+        # the batch memory planning sized the inputs for (compile checked it is max_batch)
         self.max_batch = int(self.method.metadata.input_tensor_meta(0).sizes()[0])
 
     def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
