@@ -61,6 +61,9 @@ def test_the_profile_adds_both_engines_and_compile_tracks_this_targets_toolchain
     # INT8 is calibrated at compile: it depends on the calibration chips, FP32 does not
     assert "artifacts/data/calibration" in items[INT8].values()
     assert "artifacts/data/calibration" not in items[FP32].values()
+    # … and on the code that streams them (pipeline.samples, loaded by name): no other compile stage does
+    code = {k: dag.deps_of(dag.find("compile"), ecfg, k) for k in ecfg.engines}
+    assert [k for k, d in code.items() if "pipeline/samples.py" in d] == [INT8]
 
 
 def test_engines_plan_the_bound_batch_and_audit_from_the_pte(built_et, built, ecfg):

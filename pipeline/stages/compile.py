@@ -12,13 +12,14 @@ bytes differ fails the stage. Other targets record their claim and how to prove 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths, samples, scratch, stage, targets
+from pipeline import paths, scratch, stage, targets
 from pipeline.config import EngineSpec
 from pipeline.targets import source_kind
 from pipeline.errors import GateFailed, KilnError
@@ -29,17 +30,25 @@ STAGE = stage.Stage(
     "compile", "pipeline.stages.compile",
     "lower one model for one target and precision; audit fallbacks; prove the build reproducible",
     keys=lambda cfg: list(cfg.engines),
-    deps=lambda cfg, key: [cfg.engine(key).source,
-                           *(samples.deps(cfg, cfg.engine(key).model, "calibration") if _calibrates(cfg, key) else [])],
+    deps=lambda cfg, key: [cfg.engine(key).source, *(_samples().deps(cfg, cfg.engine(key).model, "calibration")
+                                                     if _calibrates(cfg, key) else [])],
     params=lambda cfg, key: [f"engines.{key}", f"targets.{cfg.engine(key).target}",
-                             *(samples.params(cfg, cfg.engine(key).model) if _calibrates(cfg, key) else [])],
+                             *(_samples().params(cfg, cfg.engine(key).model) if _calibrates(cfg, key) else [])],
     targets=lambda cfg, key: [cfg.engine(key).target],
-    dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target)],
+    dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target), *([SAMPLES] if _calibrates(cfg, key) else [])],
     outs=lambda cfg, key: [stage.Out(paths.engine(key).as_posix())])
+
+# A program target's int8 engine is calibrated at compile (PT2E) on the stored calibration chips, streamed by
+# pipeline.samples. It is loaded by name (`dynamic`), so that only those engines' stages depend on it and its
+# imports (the detectors' code, image libraries); every other compile stage's closure stays as narrow as before.
+SAMPLES = "pipeline.samples"
+
+
+def _samples():
+    return importlib.import_module(SAMPLES)
 
 
 def _calibrates(cfg, key: str) -> bool:
-    """A program target's int8 engine is calibrated at compile (PT2E) on the stored calibration chips."""
     e = cfg.engine(key)
     return source_kind(e.target) == "program" and e.precision == "int8"
 
@@ -80,7 +89,7 @@ def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpS
     src, src_manifest = source_artifact(spec, root)
     read_verified(src_manifest)             # the source must be exactly what its manifest says, before use
     target = targets.get(spec.target)
-    calibration = samples.stream(cfg, spec.model, "calibration", root) if _calibrates(cfg, engine_name) else None
+    calibration = _samples().stream(cfg, spec.model, "calibration", root) if _calibrates(cfg, engine_name) else None
     options = CompileOptions(spec.precision, targets.options(cfg, spec.target), calibration)
     with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
         files = target.compile(src, options, out, Path(work))
