@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -97,7 +99,7 @@ def test_audit_catches_a_convolution_outside_the_delegate(tmp_path):
     assert [(f["op"], f["runs_as"]) for f in audit.fallback] == [("aten::convolution.out", "portable kernel")]
     ExecuTorchXnnpack().check_package(tmp_path)                     # a real .pte: readable
     (tmp_path / PTE_FILE).write_bytes(b"PK\x03\x04 not a flatbuffer")
-    with pytest.raises(KilnError, match="not a readable ExecuTorch program"):
+    with pytest.raises(KilnError, match="not an ExecuTorch program"):
         ExecuTorchXnnpack().check_package(tmp_path)
 
 
@@ -112,6 +114,24 @@ def test_the_runner_cuts_batches_above_the_plan_and_matches_the_program(built_et
     ref = torch.export.load(str(paths.program("embedder", built) / program.PROGRAM_FILE)).module()(
         torch.from_numpy(x)).detach().numpy()
     assert float(np.abs(whole - ref).max()) < 1e-4
+
+
+def test_the_runner_loads_without_the_compiler_and_leaves_it_importable(built_et, built):
+    """A fresh process: the verified load imports ExecuTorch's runtime bindings, not its compiler (exir pulls
+    torch._dynamo, torch._inductor and torchao: ≈ 2 s of the cold start), gives the in-process runner's outputs, and
+    a later `import executorch.exir` in that process is the real package."""
+    engine = paths.engine(INT8, built)
+    HEAVY = ("executorch.exir", "torch._dynamo", "torch._inductor", "torchao")
+    probe = (f"import sys, numpy as np; from pipeline import engines; r = engines.load('executorch-xnnpack', "
+             f"{str(engine)!r}); y = r.run(np.full((3, 3, 150, 150), 100, np.float32)); "
+             f"heavy = [m for m in {HEAVY!r} if m in sys.modules]; "
+             f"from executorch.exir import to_edge; np.save(sys.argv[1], y); print('heavy', heavy, to_edge.__module__)")
+    out = subprocess.run([sys.executable, "-c", probe, str(built / "et-probe.npy")], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "heavy [] executorch.exir.program._program" in out.stdout, out.stdout
+    here = engines.load("executorch-xnnpack", engine).run(np.full((3, 3, 150, 150), 100, np.float32))
+    assert np.array_equal(np.load(built / "et-probe.npy"), here)
 
 
 @pytest.mark.parametrize("name, cos_min", [(FP32, 0.99999), (INT8, 0.998)])   # INT8 0.99826 on an AVX-512 Xeon

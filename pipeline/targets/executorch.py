@@ -23,6 +23,7 @@ op (convolution, linear, matmul) outside the delegate is a fallback; any other o
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Annotated
@@ -173,33 +174,64 @@ class ExecuTorchXnnpack:
         return True, ""
 
     def check_package(self, engine_dir: Path) -> None:
-        """A .pte is one flatbuffer with inline segments: it names no other file. Refuse one that does not parse."""
-        try:
-            self.plan(engine_dir)
-        except Exception as e:
-            raise KilnError(f"{engine_dir / PTE_FILE}: not a readable ExecuTorch program ({type(e).__name__})",
-                            "do not load it: rebuild the engine (kiln compile <engine>)") from None
+        """Before every load, cheaply (the full deserializer in `plan` imports ExecuTorch's compiler, ≈ 2 s): the file
+        is an ExecuTorch flatbuffer (identifier `ET..` at byte 4). The runtime then loads it with its
+        InternalConsistency verification and no data file (`data_path` unset), so the engine can open no other file."""
+        head = (engine_dir / PTE_FILE).read_bytes()[:8]
+        if len(head) < 8 or not re.fullmatch(rb"ET[0-9]{2}", head[4:8]):
+            raise KilnError(f"{engine_dir / PTE_FILE}: not an ExecuTorch program (no ET flatbuffer identifier)",
+                            "do not load it: rebuild the engine (kiln compile <engine>)")
 
     def load(self, engine_dir: Path) -> "EtRunner":
         return EtRunner(engine_dir)
 
 
+def runtime_bindings():
+    """ExecuTorch's C++ runtime bindings (`portable_lib`) without its compiler. portable_lib imports
+    `executorch.exir._warnings` for one warning class, and that import first runs `executorch/exir/__init__.py`: the
+    whole compiler stack, torch._dynamo, torch._inductor and torchao (2.2 s of a 2.8 s cold start here). Where exir is
+    not loaded yet, `_warnings` (standalone: typing_extensions only) is loaded from its file under a placeholder
+    parent that is removed again, so a later `import executorch.exir` in the same process (compile) is the real one."""
+    import sys
+
+    if "executorch.exir" not in sys.modules and "executorch.extension.pybindings.portable_lib" not in sys.modules:
+        import importlib.util
+        import types
+
+        import executorch
+
+        spec = importlib.util.spec_from_file_location(
+            "executorch.exir._warnings", Path(executorch.__path__[0]) / "exir" / "_warnings.py")
+        warnings_module = importlib.util.module_from_spec(spec)
+        parent = types.ModuleType("executorch.exir")
+        parent.__path__, parent._warnings = [], warnings_module
+        sys.modules.update({"executorch.exir": parent, "executorch.exir._warnings": warnings_module})
+        try:
+            spec.loader.exec_module(warnings_module)
+            from executorch.extension.pybindings import portable_lib
+        finally:
+            del sys.modules["executorch.exir"], sys.modules["executorch.exir._warnings"]
+        return portable_lib
+    from executorch.extension.pybindings import portable_lib
+
+    return portable_lib
+
+
 class EtRunner:
-    """Runner over a .pte: `forward` through executorch.runtime; batches above max_batch run in pieces."""
+    """Runner over a .pte: its `forward` through ExecuTorch's runtime bindings; batches above the plan run in pieces."""
 
     def __init__(self, engine_dir: Path) -> None:
         import torch
-        from executorch.runtime import Runtime
 
+        lib = runtime_bindings()
         self._torch = torch
         threads = int(json.loads((engine_dir / OPTIONS_FILE).read_text()).get("threads", 0))
         if threads:     # process-wide, like torch.set_num_threads for aoti-cpu
-            from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-
-            _unsafe_reset_threadpool(threads)
-        self.method = Runtime.get().load_program(str(engine_dir / PTE_FILE)).load_method("forward")
+            lib._unsafe_reset_threadpool(threads)
+        self.module = lib._load_for_executorch(str(engine_dir / PTE_FILE), data_path=None,
+                                               program_verification=lib.Verification.InternalConsistency)
         # the batch memory planning sized the inputs for (compile checked it is max_batch)
-        self.max_batch = int(self.method.metadata.input_tensor_meta(0).sizes()[0])
+        self.max_batch = int(self.module.method_meta("forward").input_tensor_meta(0).sizes()[0])
 
     def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         values = [np.ascontiguousarray(v, np.float32) for v in feed.values()]
@@ -207,7 +239,7 @@ class EtRunner:
         pieces = []
         for start in range(0, n, self.max_batch):
             part = [self._torch.from_numpy(v[start:start + self.max_batch] if v.shape[0] == n else v) for v in values]
-            pieces.append([t.numpy().copy() for t in self.method.execute(part)])
+            pieces.append([t.numpy().copy() for t in self.module.forward(tuple(part))])
         return [np.concatenate([p[i] for p in pieces]) for i in range(len(pieces[0]))]
 
     def run(self, batch: np.ndarray) -> np.ndarray:
