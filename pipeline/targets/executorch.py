@@ -43,7 +43,7 @@ COMPUTE = ("convolution", "linear", "mm", "addmm", "bmm", "matmul")
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0          # ExecuTorch's threadpool at load; 0 = cores
-    max_batch: Annotated[StrictInt, Field(ge=1, le=1024)] = 32      # the batch bound memory planning sizes for
+    max_batch: Annotated[StrictInt, Field(ge=2, le=1024)] = 32      # memory planning's batch bound (export specializes 1)
     per_channel: StrictBool = True                                  # int8: per-channel weight scales
 
 
@@ -67,7 +67,7 @@ def _export_bounded(ep, max_batch: int):
 
 class ExecuTorchXnnpack:
     name = "executorch-xnnpack"
-    runtime = ("torch", "executorch")          # the runner hands torch tensors to executorch.runtime
+    runtime = ("torch", "executorch")          # the runtime bindings take torch tensors (and import torch)
     reproducibility = Reproducibility(
         "bit-identical", checked_at_compile=False, bound=1e-5,
         basis="lowering is deterministic from the program (and the calibration chips for int8); tens of seconds "
