@@ -43,7 +43,7 @@ COMPUTE = ("convolution", "linear", "mm", "addmm", "bmm", "matmul")
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0          # ExecuTorch's threadpool at load; 0 = cores
-    max_batch: Annotated[StrictInt, Field(ge=2, le=1024)] = 32      # memory planning's batch bound (export specializes 1)
+    max_batch: Annotated[StrictInt, Field(ge=2, le=1024)] = 32      # memory planning's batch bound (1: specialized)
     per_channel: StrictBool = True                                  # int8: per-channel weight scales
 
 
