@@ -101,6 +101,16 @@ def template_db(tmp_path_factory) -> Path:
     return db
 
 
+@pytest.fixture
+def registry_env(tmp_path, template_db, monkeypatch):
+    """A fresh SQLite registry (a copy of the migrated template) as MLFLOW_TRACKING_URI, actor `ci`."""
+    db = tmp_path / "mlflow.db"
+    shutil.copy(template_db, db)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    monkeypatch.setenv("KILN_ACTOR", "ci")
+    return db
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,6 @@ with ORT, registration, a fresh-process rebuild, and the refusals."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -174,15 +173,6 @@ def test_registers_and_rebuilds_bit_identically_in_a_fresh_process(built_et, bui
     assert registry.Registry(ecfg, built).aliases(receipt.name) == {"candidate": receipt.version}
     r = rebuild.classify(ecfg, f"compile@{FP32}", built)
     assert r["class"] == "bit-identical" and r["meets_claim"], r
-
-
-@pytest.fixture
-def registry_env(tmp_path, template_db, monkeypatch):
-    db = tmp_path / "mlflow.db"
-    shutil.copy(template_db, db)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
-    monkeypatch.setenv("KILN_ACTOR", "ci")
-    return db
 
 
 def test_int8_without_calibration_and_other_dynamic_dims_are_refused(tmp_path, built):

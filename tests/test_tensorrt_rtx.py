@@ -209,15 +209,6 @@ def rtx(built, cfg, tmp_path_factory):
     return rcfg, built
 
 
-@pytest.fixture
-def registry_env(tmp_path, template_db, monkeypatch):
-    db = tmp_path / "mlflow.db"
-    shutil.copy(template_db, db)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
-    monkeypatch.setenv("KILN_ACTOR", "ci")
-    return db
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RTX_ENGINES)
 def test_embedder_engines_rebuild_bit_identically_and_audit_from_the_builder(rtx, name):
