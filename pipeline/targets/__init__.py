@@ -89,6 +89,9 @@ def check(cfg, engines: list[str] | None = None) -> None:
             if e.model not in cfg.program.models:
                 raise KilnError(f"{where}.model: {e.model!r} has no torch.export program (program.models)",
                                 f"add {e.model} to program.models")
+            if e.recipe is not None:     # its int8 is quantized at compile (PT2E) on the calibration chips
+                raise KilnError(f"{where}.recipe: a program target's int8 engine is quantized at compile on the "
+                                "calibration chips, not by an ONNX recipe", "drop `recipe:`")
         if e.source.rstrip("/") != (want := expected_source(e)):
             raise KilnError(f"{where}.source: {e.source!r} is not the artifact a {e.precision} {e.target} engine of "
                             f"{e.model!r} compiles", f"set it to {want}")
