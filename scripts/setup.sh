@@ -5,7 +5,9 @@
 #                   if missing, Debian's chromium, postgresql, openssh-server (report, shared registry and remote
 #                   tests; root or sudo)
 #   --profile rtx   adds lockfiles/rtx.txt: the TensorRT-RTX wheels the tensorrt-rtx target builds with (profiles/rtx.yaml)
-#   --profile edge  adds lockfiles/edge.txt: ExecuTorch (XNNPACK) for the executorch-xnnpack target (profiles/edge.yaml)
+#   --profile edge  adds lockfiles/edge.txt: ExecuTorch (XNNPACK) for the executorch-xnnpack target and the LiteRT
+#                   runtime for the litert target (profiles/edge.yaml), and creates .venv-litert, the LiteRT
+#                   converter's own venv (lockfiles/litert-convert.txt: pins the main venv cannot hold)
 #   --profile xla   adds lockfiles/xla.txt: jax[cpu] and torchax for the xla target (profiles/xla.yaml)
 #        bash scripts/setup.sh --torch-source   (print where the pinned torch wheel would come from, then exit)
 set -euo pipefail
@@ -41,6 +43,13 @@ pipi() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@" 2> 
 pipi $(torch_source) --require-hashes --no-deps -r lockfiles/main.txt
 if [ "$TEST" = 1 ]; then pipi --require-hashes --no-deps -r lockfiles/test.txt; fi
 for p in $(printf '%s\n' "${PROFILES[@]}" | sort -u); do pipi --require-hashes --no-deps -r "lockfiles/$p.txt"; done
+if printf '%s\n' "${PROFILES[@]}" | grep -qx edge; then
+  [ -x .venv-litert/bin/python ] || "$PY" -m venv .venv-litert
+  # shellcheck disable=SC2046
+  .venv-litert/bin/python -m pip install --disable-pip-version-check -q $(torch_source) --require-hashes --no-deps \
+    -r lockfiles/litert-convert.txt 2> >(grep -v 'is ignored: it is neither' >&2)
+  .venv-litert/bin/python -m pip check >/dev/null || { .venv-litert/bin/python -m pip check; exit 1; }
+fi
 pipi --no-deps --no-build-isolation -e .
 # Debian packages the tests use, installed here if missing: chromium (the HTML report is rendered in it),
 # postgresql (the shared-registry test runs scripts/registry-server.sh), openssh-server (scripts/remote-server.sh).

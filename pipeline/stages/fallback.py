@@ -4,6 +4,7 @@ Sources, labelled in every row:
 
 * `engine` — a built engine's manifest, `results.audit` (ort-cpu, aoti-cpu, tensorrt built on a GPU host, or
   tensorrt-rtx: the builder's own layer list, noted "built only", with any disagreement with the static rules);
+  a target that also asked about another device notes it (OpenVINO's NPU query, LiteRT's Edge TPU rules);
 * `static` — for a TensorRT engine not built on this host: trt_rules' audit of the ONNX the engine would be built
   from (read from artifacts/reports/trt-audit/<model>.json, or computed if that report is absent). Static rows say
   `parses: false` where the TensorRT ONNX parser would reject the graph (the engine would not build at all);
@@ -60,6 +61,24 @@ def _row(model: str, target: str, precision: str, engine: str, source: str, audi
             "parses": parses, "note": note}
 
 
+def device_notes(query: dict) -> list[str]:
+    """One note per other device a target's audit asked about (OpenVINO's NPU query, LiteRT's Edge TPU rules)."""
+    notes = []
+    for device, q in sorted(query.items()):
+        if device == "CPU":
+            continue
+        if not q.get("queried"):
+            notes.append(f"{device}: not queried ({q.get('reason', '?')[:80]})")
+            continue
+        note = f"{device}: {q['supported']}/{q['ops']} ops supported"
+        if q.get("cpu_ops"):
+            note += f", {q['cpu_ops']} left to the CPU from {q['first_unsupported']}"
+        if q.get("unsupported_op_types"):
+            note += " (" + ", ".join(q["unsupported_op_types"][:5]) + ")"
+        notes.append(note)
+    return notes
+
+
 def _static_entries(cfg, model: str, root: Path) -> list[dict]:
     report = trt_audit.report_path(model, root)
     if report.is_file():
@@ -79,6 +98,7 @@ def rows(cfg, root: Path = Path(".")) -> list[dict]:
                 notes.append("built only (builder's layer audit; not run on this host)")
             if found := (doc.get("results") or {}).get("disagreements_with_static_rules"):
                 notes.append(f"{len(found)} disagreement(s) with the static rules: " + "; ".join(found[:3]))
+            notes += device_notes((doc.get("results") or {}).get("device_query") or {})
             out.append(_row(spec.model, spec.target, spec.precision, name, "engine", doc["results"]["audit"],
                             note="; ".join(notes)))
         elif spec.target in STATIC_TARGETS:

@@ -25,6 +25,7 @@ TARGETS: dict[str, Entry] = {
     "aoti-cpu": Entry("pipeline.targets.aoti", "AotiCpu", "program", ("fp32",)),
     "openvino-cpu": Entry("pipeline.targets.openvino", "OpenVinoCpu", "onnx", ("fp32", "bf16", "int8")),
     "executorch-xnnpack": Entry("pipeline.targets.executorch", "ExecuTorchXnnpack", "program", ("fp32", "int8")),
+    "litert": Entry("pipeline.targets.litert", "LiteRT", "program", ("fp32", "int8")),
     "xla": Entry("pipeline.targets.xla", "Xla", "program", ("fp32",)),
     "tensorrt": Entry("pipeline.targets.tensorrt", "TensorRT", "onnx", ("fp32", "fp16", "int8")),
     "tensorrt-rtx": Entry("pipeline.targets.tensorrt_rtx", "TensorRTRTX", "onnx", ("fp32", "fp16", "int8")),
