@@ -16,6 +16,7 @@ Writes artifacts/reports/fallback.json (a list of flat rows: DVC plots-friendly)
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -68,7 +69,10 @@ def device_notes(query: dict) -> list[str]:
         if device == "CPU":
             continue
         if not q.get("queried"):
-            notes.append(f"{device}: not queried ({q.get('reason', '?')[:80]})")
+            reason = q.get("reason", "?")
+            if lib := re.search(r'[Cc]annot load library "?([^":]+)', reason):    # OpenVINO: a missing plugin part
+                reason = f"cannot load {lib.group(1)}"
+            notes.append(f"{device}: not queried ({reason[:110]})")
             continue
         note = f"{device}: {q['supported']}/{q['ops']} ops supported"
         if q.get("cpu_ops"):

@@ -115,8 +115,9 @@ class LiteRT:
                 raise KilnError(f"{self.name}: input {name} has dynamic non-batch dimensions {tuple(dyn)}",
                                 "build this graph for an ONNX target instead (a .tflite has static shapes)")
         channel_last = [i for i, (_, shape) in enumerate(inputs) if len(shape) == 4]
-        request = {"program": str(source.resolve()), "out": str((out / TFLITE_FILE).resolve()), "precision": options.precision,
-                   "channel_last": channel_last, "recipe": RECIPE, "calibration": None}
+        request = {"program": str(source.resolve()), "out": str((out / TFLITE_FILE).resolve()),
+                   "precision": options.precision, "channel_last": channel_last, "recipe": RECIPE,
+                   "calibration": None, "scratch": str(workdir.resolve())}
         samples = 0
         if options.precision == "int8":
             parts: list[list[np.ndarray]] = [[] for _ in inputs]
@@ -131,9 +132,11 @@ class LiteRT:
             np.savez(request["calibration"], **arrays)
         (workdir / "request.json").write_text(json.dumps(request))
         python = converter_python()
+        # its own interpreter and nothing of this one's path: the converter venv's packages only
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         r = subprocess.run([str(python), litert_convert.__file__, str((workdir / "request.json").resolve())],
                            capture_output=True, text=True, cwd=workdir,
-                           env={**os.environ, "PYTHONHASHSEED": "0", "TF_CPP_MIN_LOG_LEVEL": "2"})
+                           env={**env, "PYTHONHASHSEED": "0", "TF_CPP_MIN_LOG_LEVEL": "2"})
         if r.returncode != 0 or not (out / TFLITE_FILE).is_file():
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
             raise KilnError(f"{self.name}: the converter ({python}) failed on {source}: {last}",

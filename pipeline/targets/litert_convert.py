@@ -6,7 +6,8 @@ nothing from Kiln. pipeline/targets/litert.py writes the request and reads what 
     python litert_convert.py REQUEST.json
 
 REQUEST: {"program": .pt2, "out": .tflite to write, "precision": fp32|int8, "channel_last": [input indices],
-          "calibration": .npz of NCHW float32 arrays (int8 only), "recipe": "static_wi8_ai8"}
+          "calibration": .npz of NCHW float32 arrays (int8 only), "recipe": "static_wi8_ai8",
+          "scratch": a directory for the intermediate FP32 model of an int8 build}
 
 fp32: litert_torch.convert of the program's module at batch 1, with `to_channel_last_io` wrapping the 4-D inputs
 (NHWC, the layout edge compilers take). int8: that FP32 model quantized by ai-edge-quantizer's full-integer recipe
@@ -32,7 +33,7 @@ def convert(req: dict) -> dict:
     last = req["channel_last"]
     module = litert_torch.to_channel_last_io(ep.module(), args=last) if last else ep.module()
     example = tuple(torch.zeros(*(s[:1] + s[2:] + s[1:2] if i in last else s)) for i, s in enumerate(shapes))
-    fp32 = req["out"] + ".fp32.tmp" if req["precision"] == "int8" else req["out"]
+    fp32 = os.path.join(req["scratch"], "fp32.tflite") if req["precision"] == "int8" else req["out"]
     litert_torch.convert(module, example).export(fp32)
     if req["precision"] == "fp32":
         return {"samples": 0}
@@ -52,11 +53,10 @@ def convert(req: dict) -> dict:
                          enable_progress_report=False)
     with open(req["out"], "wb") as f:
         f.write(result.quantized_model)
-    os.unlink(fp32)
     return {"samples": len(feeds)}
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         request = json.load(f)
-    print(json.dumps(convert(request)))
+    print(json.dumps(convert(request)))         # for a run by hand; the target reads the files
