@@ -31,6 +31,71 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: {FIRST: 0, LAST: 2}.get(item.path.name, 1))    # stable: file order kept within
 
 
+# ------------------------------------------------------------------------ opt-in targets (profiles/*.yaml)
+def profile_cfg(tmp: Path, cfg, profile: str, extra_engines: dict | None = None):
+    """params.yaml with profiles/<profile>.yaml merged (and `extra_engines` added), loaded and checked against the
+    target registry: the configuration an opt-in target's tests build with."""
+    import yaml
+
+    from pipeline import profiles, targets
+
+    raw = profiles.merged(cfg.raw, profiles.load(profile, REPO))
+    raw["engines"].update(extra_engines or {})
+    p = tmp / "params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    loaded = config.load(p)
+    targets.check(loaded)
+    return loaded
+
+
+def bench_beside_ort(pcfg, root: Path, engines: tuple[str, ...], tmp: Path) -> dict:
+    """`engines` and the embedder's ORT FP32 engine timed side by side by one bench@embedder run in this process
+    (short settings): the report. Every engine must have been timed; speed itself is printed, never asserted."""
+    import yaml
+
+    from pipeline import paths
+    from pipeline.stages import bench
+    from pipeline.stages import compile as compile_stage
+
+    raw = yaml.safe_load(pcfg.source.read_text())
+    raw["engines"] = {n: e for n, e in raw["engines"].items() if n in (*engines, ORT_FP32)}
+    raw["bench"].update(min_seconds=0.3, min_runs=10, warmup=3)
+    raw["systems"] = {}
+    p = tmp / "bench-params.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    bcfg = config.load(p)
+    if not paths.engine(ORT_FP32, root).is_dir():
+        compile_stage.run(bcfg, ORT_FP32, root, check=False)
+    report = bench.measure_model(bcfg, "embedder", root, progress=lambda _: None).report
+    for name in (*engines, ORT_FP32):
+        assert report["engines"][name]["b1_p50_ms"] > 0 and report["engines"][name]["cold_start_ms"] > 0, name
+    return report
+
+
+def versus_ort(report: dict, engines: tuple[str, ...]) -> str:
+    """One line: each engine's batch-1 p50, its ratio to ORT FP32 in the same run, and its cold start."""
+    rep = report["engines"]
+    ort = rep[ORT_FP32]["b1_p50_ms"]
+    return "\n" + "  ".join(f"{n.removeprefix('embedder-')}: b1 {rep[n]['b1_p50_ms']:.2f} ms ({ort / rep[n]['b1_p50_ms']:.2f}× "
+                            f"ORT FP32), cold start {rep[n]['cold_start_ms']:.0f} ms" for n in engines)
+
+
+def load_in_fresh_process(target: str, engine: Path, shape: tuple[int, ...], heavy: tuple[str, ...], out: Path):
+    """Load `engine` through pipeline.engines in a new interpreter and run it once on a constant batch of `shape`:
+    (its output, which of the `heavy` modules that process imported)."""
+    import numpy as np
+
+    probe = (f"import sys, numpy as np; from pipeline import engines; r = engines.load({target!r}, {str(engine)!r}); "
+             f"np.save(sys.argv[1], r.run(np.full({shape!r}, 100, np.float32))); "
+             f"print('heavy', *[m for m in {heavy!r} if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", probe, str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return np.load(out), r.stdout.split("heavy", 1)[1].split()
+
+
+ORT_FP32 = "embedder-ort-cpu-fp32"
+
+
 @pytest.fixture(scope="session")
 def assets_dir(tmp_path_factory, cfg) -> Path:
     """The repository's artifacts/assets when it verifies, else a fresh fetch (PyPI or the Kiln archive cache)."""

@@ -14,14 +14,14 @@ import pytest
 import torch
 import yaml
 
-from pipeline import config, dag, engines, paths, profiles, rebuild, targets
+from pipeline import config, dag, engines, paths, rebuild, targets
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import bench, fingerprint, program, validate
+from pipeline.stages import fingerprint, program, validate
 from pipeline.targets.base import CompileOptions
 from pipeline.targets.executorch import PTE_FILE, ExecuTorchXnnpack, _export_bounded
-from conftest import REPO
+from conftest import REPO, bench_beside_ort, profile_cfg, versus_ort
 
 FP32, INT8 = "embedder-executorch-xnnpack-fp32", "embedder-executorch-xnnpack-int8"
 
@@ -29,11 +29,7 @@ FP32, INT8 = "embedder-executorch-xnnpack-fp32", "embedder-executorch-xnnpack-in
 @pytest.fixture(scope="module")
 def ecfg(tmp_path_factory, cfg):
     """params.yaml with the edge profile merged (the target is opt-in: disabled in the default DAG)."""
-    p = tmp_path_factory.mktemp("edge-params") / "params.yaml"
-    p.write_text(yaml.safe_dump(profiles.merged(cfg.raw, profiles.load("edge", REPO))))
-    ecfg = config.load(p)
-    targets.check(ecfg)
-    return ecfg
+    return profile_cfg(tmp_path_factory.mktemp("edge-params"), cfg, "edge")
 
 
 @pytest.fixture(scope="module")
@@ -142,25 +138,10 @@ def test_engines_pass_the_face_task_gate(built_et, built, ecfg, name, cos_min):
 
 def test_bench_times_executorch_beside_ort_in_one_process(built_et, built, ecfg, tmp_path, capsys):
     """The embedder's ORT FP32 and both .pte engines measured side by side; ratios printed, no timing asserted."""
-    raw = yaml.safe_load(ecfg.source.read_text())
-    raw["engines"] = {n: e for n, e in raw["engines"].items()
-                      if n in (FP32, INT8, "embedder-ort-cpu-fp32")}
-    raw["bench"].update(min_seconds=0.3, min_runs=10, warmup=3)
-    raw["systems"] = {}
-    p = tmp_path / "params.yaml"
-    p.write_text(yaml.safe_dump(raw))
-    bcfg = config.load(p)
-    if not paths.engine("embedder-ort-cpu-fp32", built).is_dir():
-        compile_stage.run(bcfg, "embedder-ort-cpu-fp32", built, check=False)
-    result = bench.measure_model(bcfg, "embedder", built, progress=lambda _: None)
-    rep = result.report["engines"]
-    for name in (FP32, INT8, "embedder-ort-cpu-fp32"):
-        assert rep[name]["b1_p50_ms"] > 0 and rep[name]["cold_start_ms"] > 0, rep[name]
-    assert f"{INT8}/{FP32}@b1" in result.report["ratios"]
+    report = bench_beside_ort(ecfg, built, (FP32, INT8), tmp_path)
+    assert f"{INT8}/{FP32}@b1" in report["ratios"]
     with capsys.disabled():
-        ort = rep["embedder-ort-cpu-fp32"]
-        print("\n" + "  ".join(f"{n.removeprefix('embedder-')}: b1 {rep[n]['b1_p50_ms']:.1f} ms "
-                               f"({ort['b1_p50_ms'] / rep[n]['b1_p50_ms']:.2f}× ORT FP32)" for n in (FP32, INT8)))
+        print(versus_ort(report, (FP32, INT8)))
 
 
 def test_registers_and_rebuilds_bit_identically_in_a_fresh_process(built_et, built, ecfg, registry_env):

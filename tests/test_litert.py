@@ -5,23 +5,20 @@ registration, the fresh-process rebuild and the refusals."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from pipeline import config, dag, engines, paths, profiles, targets
+from pipeline import dag, engines, paths, profiles
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import bench, fingerprint, program, validate
+from pipeline.stages import fingerprint, program, validate
 from pipeline.targets import edgetpu_rules
 from pipeline.targets.base import CompileOptions
 from pipeline.targets.litert import TFLITE_FILE, LiteRT
-from conftest import REPO
+from conftest import REPO, bench_beside_ort, load_in_fresh_process, profile_cfg, versus_ort
 
 FP32, INT8 = "embedder-litert-fp32", "embedder-litert-int8"
 
@@ -29,15 +26,9 @@ FP32, INT8 = "embedder-litert-fp32", "embedder-litert-int8"
 @pytest.fixture(scope="module")
 def lcfg(tmp_path_factory, cfg):
     """The edge profile plus the full-integer INT8 engine the profile leaves out (it fails the gate: tested below)."""
-    p = tmp_path_factory.mktemp("litert-params") / "params.yaml"
-    raw = profiles.merged(cfg.raw, profiles.load("edge", REPO))
-    assert INT8 not in raw["engines"]
-    raw["engines"][INT8] = {"model": "embedder", "target": "litert", "precision": "int8",
-                            "source": "artifacts/program/embedder"}
-    p.write_text(yaml.safe_dump(raw))
-    lcfg = config.load(p)
-    targets.check(lcfg)
-    return lcfg
+    assert INT8 not in profiles.load("edge", REPO)["engines"]
+    return profile_cfg(tmp_path_factory.mktemp("litert-params"), cfg, "edge", {INT8: {
+        "model": "embedder", "target": "litert", "precision": "int8", "source": "artifacts/program/embedder"}})
 
 
 @pytest.fixture(scope="module")
@@ -146,15 +137,10 @@ def test_the_runner_takes_nchw_float_at_any_batch_and_matches_the_program(built_
 
 def test_the_runner_needs_the_runtime_only(built_lt, built):
     engine = paths.engine(INT8, built)
-    probe = (f"import sys, numpy as np; from pipeline import engines; r = engines.load('litert', {str(engine)!r}); "
-             f"y = r.run(np.full((2, 3, 150, 150), 100, np.float32)); np.save(sys.argv[1], y); "
-             f"print('heavy', [m for m in ('torch', 'litert_torch', 'ai_edge_quantizer') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", probe, str(built / "lt-probe.npy")], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "heavy []" in out.stdout, out.stdout
-    here = engines.load("litert", engine).run(np.full((2, 3, 150, 150), 100, np.float32))
-    assert np.array_equal(np.load(built / "lt-probe.npy"), here)
+    y, heavy = load_in_fresh_process("litert", engine, (2, 3, 150, 150), ("torch", "litert_torch", "ai_edge_quantizer"),
+                                     built / "lt-probe.npy")
+    assert heavy == []
+    assert np.array_equal(y, engines.load("litert", engine).run(np.full((2, 3, 150, 150), 100, np.float32)))
 
 
 def test_fp32_passes_the_face_task_gate_and_full_integer_int8_is_stopped_by_it(built_lt, built, lcfg):
@@ -167,23 +153,9 @@ def test_fp32_passes_the_face_task_gate_and_full_integer_int8_is_stopped_by_it(b
 
 
 def test_bench_times_litert_beside_ort_in_one_process(built_lt, built, lcfg, tmp_path, capsys):
-    raw = yaml.safe_load(lcfg.source.read_text())
-    raw["engines"] = {n: e for n, e in raw["engines"].items() if n in (FP32, INT8, "embedder-ort-cpu-fp32")}
-    raw["bench"].update(min_seconds=0.3, min_runs=10, warmup=3)
-    raw["systems"] = {}
-    p = tmp_path / "params.yaml"
-    p.write_text(yaml.safe_dump(raw))
-    bcfg = config.load(p)
-    if not paths.engine("embedder-ort-cpu-fp32", built).is_dir():
-        compile_stage.run(bcfg, "embedder-ort-cpu-fp32", built, check=False)
-    rep = bench.measure_model(bcfg, "embedder", built, progress=lambda _: None).report["engines"]
-    for name in (FP32, INT8, "embedder-ort-cpu-fp32"):
-        assert rep[name]["b1_p50_ms"] > 0 and rep[name]["cold_start_ms"] > 0, rep[name]
+    report = bench_beside_ort(lcfg, built, (FP32, INT8), tmp_path)
     with capsys.disabled():
-        ort = rep["embedder-ort-cpu-fp32"]
-        print("\n" + "  ".join(f"{n.removeprefix('embedder-')}: b1 {rep[n]['b1_p50_ms']:.2f} ms "
-                               f"({ort['b1_p50_ms'] / rep[n]['b1_p50_ms']:.2f}× ORT FP32), cold start "
-                               f"{rep[n]['cold_start_ms']:.0f} ms" for n in (FP32, INT8)))
+        print(versus_ort(report, (FP32, INT8)))
 
 
 def test_registers_fp32_and_refuses_the_failed_int8(built_lt, built, lcfg, registry_env):

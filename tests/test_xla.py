@@ -14,14 +14,14 @@ import pytest
 import torch
 import yaml
 
-from pipeline import config, dag, engines, paths, profiles, rebuild, targets
+from pipeline import dag, engines, paths, rebuild
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import bench, fingerprint, golden, program, validate
+from pipeline.stages import fingerprint, golden, program, validate
 from pipeline.targets.base import CompileOptions
 from pipeline.targets.xla import EXPORT_FILE, OPTIONS_FILE, Xla
-from conftest import REPO
+from conftest import REPO, bench_beside_ort, load_in_fresh_process, profile_cfg, versus_ort
 
 EMB, ONET = "embedder-xla-fp32", "onet-xla-fp32"
 
@@ -29,11 +29,7 @@ EMB, ONET = "embedder-xla-fp32", "onet-xla-fp32"
 @pytest.fixture(scope="module")
 def xcfg(tmp_path_factory, cfg):
     """params.yaml with the xla profile merged (the target is opt-in: disabled in the default DAG)."""
-    p = tmp_path_factory.mktemp("xla-params") / "params.yaml"
-    p.write_text(yaml.safe_dump(profiles.merged(cfg.raw, profiles.load("xla", REPO))))
-    xcfg = config.load(p)
-    targets.check(xcfg)
-    return xcfg
+    return profile_cfg(tmp_path_factory.mktemp("xla-params"), cfg, "xla")
 
 
 @pytest.fixture(scope="module")
@@ -123,15 +119,9 @@ def test_the_runner_matches_the_program_at_any_batch(built_xla, built):
 def test_the_runner_needs_jax_only(built_xla, built):
     """A fresh process: the verified load imports jax, not torch or torchax, and gives the in-process outputs."""
     engine = paths.engine(EMB, built)
-    probe = (f"import sys, numpy as np; from pipeline import engines; r = engines.load('xla', {str(engine)!r}); "
-             f"y = r.run(np.full((3, 3, 150, 150), 100, np.float32)); np.save(sys.argv[1], y); "
-             f"print('heavy', [m for m in ('torch', 'torchax') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", probe, str(built / "xla-probe.npy")], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "heavy []" in out.stdout, out.stdout
-    here = engines.load("xla", engine).run(np.full((3, 3, 150, 150), 100, np.float32))
-    assert np.allclose(np.load(built / "xla-probe.npy"), here, atol=1e-6)
+    y, heavy = load_in_fresh_process("xla", engine, (3, 3, 150, 150), ("torch", "torchax"), built / "xla-probe.npy")
+    assert heavy == []
+    assert np.allclose(y, engines.load("xla", engine).run(np.full((3, 3, 150, 150), 100, np.float32)), atol=1e-6)
 
 
 @pytest.mark.parametrize("name", [EMB, ONET])
@@ -144,22 +134,9 @@ def test_engines_pass_the_face_task_gate(built_xla, built, xcfg, name):
 
 def test_bench_times_xla_beside_ort_in_one_process(built_xla, built, xcfg, tmp_path, capsys):
     """The embedder's ORT FP32 and XLA engines measured side by side; the ratio printed, no timing asserted."""
-    raw = yaml.safe_load(xcfg.source.read_text())
-    raw["engines"] = {n: e for n, e in raw["engines"].items() if n in (EMB, "embedder-ort-cpu-fp32")}
-    raw["bench"].update(min_seconds=0.3, min_runs=10, warmup=3)
-    raw["systems"] = {}
-    p = tmp_path / "params.yaml"
-    p.write_text(yaml.safe_dump(raw))
-    bcfg = config.load(p)
-    if not paths.engine("embedder-ort-cpu-fp32", built).is_dir():
-        compile_stage.run(bcfg, "embedder-ort-cpu-fp32", built, check=False)
-    rep = bench.measure_model(bcfg, "embedder", built, progress=lambda _: None).report["engines"]
-    for name in (EMB, "embedder-ort-cpu-fp32"):
-        assert rep[name]["b1_p50_ms"] > 0 and rep[name]["cold_start_ms"] > 0, rep[name]
+    report = bench_beside_ort(xcfg, built, (EMB,), tmp_path)
     with capsys.disabled():
-        ort, x = rep["embedder-ort-cpu-fp32"], rep[EMB]
-        print(f"\nxla-fp32: b1 {x['b1_p50_ms']:.1f} ms ({ort['b1_p50_ms'] / x['b1_p50_ms']:.2f}× ORT FP32), "
-              f"cold start {x['cold_start_ms']:.0f} ms (ORT {ort['cold_start_ms']:.0f} ms)")
+        print(versus_ort(report, (EMB,)))
 
 
 def test_registers_and_rebuilds_bit_identically_in_a_fresh_process(built_xla, built, xcfg, registry_env):
