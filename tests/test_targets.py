@@ -182,7 +182,7 @@ def test_every_registered_target_meets_the_whole_contract(name, built, cfg, tmp_
     from pipeline.targets.base import CLASSES, CompileOptions, OpSupport, Reproducibility, Toolchain
 
     entry, t = targets.entry(name), targets.get(name)
-    missing = [m for m in PROTOCOL if not hasattr(t, m)]
+    missing = [m for m in (*PROTOCOL, *(("tune",) if entry.tunes else ())) if not hasattr(t, m)]
     assert not missing, f"{name} lacks {missing}"
     assert t.name == name and entry.source_kind in ("onnx", "program") and set(entry.precisions) <= set(
         config.PRECISIONS)

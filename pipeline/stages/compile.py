@@ -31,7 +31,8 @@ STAGE = stage.Stage(
     "lower one model for one target and precision; audit fallbacks; prove the build reproducible",
     keys=lambda cfg: list(cfg.engines),
     deps=lambda cfg, key: [cfg.engine(key).source, *(_samples().deps(cfg, cfg.engine(key).model, "calibration")
-                                                     if _calibrates(cfg, key) else [])],
+                                                     if _calibrates(cfg, key) else []),
+                           *([paths.tuning(key).as_posix()] if targets.tuned(cfg, key) else [])],
     params=lambda cfg, key: [f"engines.{key}", f"targets.{cfg.engine(key).target}",
                              *(_samples().params(cfg, cfg.engine(key).model) if _calibrates(cfg, key) else [])],
     targets=lambda cfg, key: [cfg.engine(key).target],
@@ -90,7 +91,10 @@ def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpS
     read_verified(src_manifest)             # the source must be exactly what its manifest says, before use
     target = targets.get(spec.target)
     calibration = _samples().stream(cfg, spec.model, "calibration", root) if _calibrates(cfg, engine_name) else None
-    options = CompileOptions(spec.precision, targets.options(cfg, spec.target), calibration)
+    tuning = paths.tuning(engine_name, root) if targets.tuned(cfg, engine_name) else None
+    if tuning is not None:
+        read_verified(manifest_path(tuning, engine_name))       # the database is what tune@ recorded
+    options = CompileOptions(spec.precision, targets.options(cfg, spec.target), calibration, tuning)
     with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
         files = target.compile(src, options, out, Path(work))
     audit = target.audit(out, spec.precision)
@@ -130,7 +134,10 @@ def run(cfg, engine_name: str, root: Path = Path("."), check: bool = True) -> Co
         extras = target.manifest_extras(d)
         write_manifest(d, build_manifest(
             kind="engine", name=engine_name, model=spec.model, target=spec.target, precision=spec.precision,
-            directory=d, files=files, inputs=[input_ref(source_kind(spec.target), src_manifest, root)],
+            directory=d, files=files, inputs=[input_ref(source_kind(spec.target), src_manifest, root),
+                                              *([input_ref("tuning", manifest_path(paths.tuning(engine_name, root),
+                                                                                   engine_name), root)]
+                                                if targets.tuned(cfg, engine_name) else [])],
             build={"options": cfg.targets[spec.target].options, "recipe": spec.recipe,
                    "fallback_policy": cfg.targets[spec.target].fallback_policy, "reproducibility": repro,
                    **extras.get("build", {})},

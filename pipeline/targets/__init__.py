@@ -18,6 +18,7 @@ class Entry:
     cls: str              # the class implementing the protocol (pipeline/targets/base.py)
     source_kind: str      # "onnx": compiles artifacts/export|quantized; "program": artifacts/program
     precisions: tuple[str, ...]   # what it builds; int8 compiles a recipe's QDQ model, the others the FP32 source
+    tunes: bool = False           # has a tune@<engine> stage (module-level `tune`, options.tuning.trials > 0)
 
 
 TARGETS: dict[str, Entry] = {
@@ -27,6 +28,7 @@ TARGETS: dict[str, Entry] = {
     "executorch-xnnpack": Entry("pipeline.targets.executorch", "ExecuTorchXnnpack", "program", ("fp32", "int8")),
     "litert": Entry("pipeline.targets.litert", "LiteRT", "program", ("fp32", "int8")),
     "xla": Entry("pipeline.targets.xla", "Xla", "program", ("fp32",)),
+    "tvm": Entry("pipeline.targets.tvm", "Tvm", "onnx", ("fp32",), tunes=True),
     "tensorrt": Entry("pipeline.targets.tensorrt", "TensorRT", "onnx", ("fp32", "fp16", "int8")),
     "tensorrt-rtx": Entry("pipeline.targets.tensorrt_rtx", "TensorRTRTX", "onnx", ("fp32", "fp16", "int8")),
 }
@@ -58,6 +60,12 @@ def options(cfg, name: str):
         return get(name).parse_options(cfg.targets[name].options)
     except KilnError as err:
         raise KilnError(f"{cfg.source}: {err.message}", err.hint) from None
+
+
+def tuned(cfg, engine_name: str) -> bool:
+    """Does this engine compile with a tuning database (its target tunes and `tuning.trials` > 0)?"""
+    e = cfg.engine(engine_name)
+    return entry(e.target).tunes and cfg.targets[e.target].enabled and options(cfg, e.target).tuning.trials > 0
 
 
 def expected_source(engine) -> str:

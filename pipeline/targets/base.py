@@ -16,6 +16,8 @@
     accept_rebuild(mine, other, differing) → str | None   a rebuild whose files differ that still meets the claim,
                                         described (tensorrt-rtx: bindings reordered); None (every other target)
                                         fails the gate
+    tune(src, options, out, workdir) → (files, summary)   only a target the registry marks `tunes` (tvm): the
+                                        schedule database tune@<engine> stores; compile gets it as `tuning`
 
 What a target compiles (its `source_kind`) and which precisions it builds are in the registry (pipeline/targets/__init__.py), so params can be
 checked without importing a toolchain. Optional toolchains are imported lazily inside a target, so a missing one
@@ -93,6 +95,7 @@ class CompileOptions:
     precision: str                  # fp32 | fp16 | int8
     options: Any                    # the target's validated options (its `options()` result)
     calibration: Any = None         # program targets' int8: an iterable of feeds (the stored calibration chips)
+    tuning: Path | None = None      # a tunable target's schedule database (its tune@<engine> artifact), if tuned
 
 
 class Runner(Protocol):
