@@ -409,8 +409,8 @@ class TvmRunner:
 
     def _chunk(self, x: np.ndarray) -> list[np.ndarray]:
         y = self.vms[len(x)]["main"](self.tensor(np.ascontiguousarray(x, np.float32), self.dev))
-        return [t.numpy() for t in (y if isinstance(y, (list, tuple)) or hasattr(y, "__len__") and
-                                    not hasattr(y, "numpy") else [y])]
+        outputs = [y] if hasattr(y, "numpy") else list(y)       # one tensor, or a tuple of them (MTCNN nets)
+        return [t.numpy() for t in outputs]
 
     def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         (x,) = feed.values()
