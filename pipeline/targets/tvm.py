@@ -149,11 +149,10 @@ def fused(mod, target):
                                          relax.transform.FuseTIR()])(mod)
 
 
-def tasks(source: Path, opts: Options, workdir: Path) -> list:
+def tasks(source: Path, opts: Options, target, workdir: Path) -> list:
     """MetaSchedule's tasks of every bucket's fused module: what a tuning run searches."""
     from tvm.s_tir import meta_schedule as ms
 
-    target = llvm_target(opts)
     folded = fold(source, workdir / "folded.onnx")
     found = []
     for b in opts.buckets:
@@ -168,7 +167,8 @@ def tune(source: Path, opts: Options, out: Path, workdir: Path) -> tuple[list[Pa
 
     if opts.tuning.trials == 0:
         raise KilnError("tvm: tuning.trials is 0 (untuned): nothing to tune", "set targets.tvm.tuning.trials > 0")
-    found = tasks(source, opts, workdir)
+    target = llvm_target(opts)
+    found = tasks(source, opts, target, workdir)
     work = workdir / "tuning"
     contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
         found, str(work), num_threads=opts.threads, seed=opts.tuning.seed)
@@ -179,9 +179,9 @@ def tune(source: Path, opts: Options, out: Path, workdir: Path) -> tuple[list[Pa
         num_trials_per_iter=opts.tuning.per_iteration, cost_model=opts.tuning.cost_model,
         builder=ms.builder.LocalBuilder(max_workers=1, timeout_sec=600),
         runner=ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=1)))
-    records, rejected = keep_verified(found, work, out, llvm_target(opts))
+    records, rejected = keep_verified(found, work, out, target)
     return [out / n for n in DB_FILES], {"tasks": len(found), "trials": opts.tuning.trials, "records": records,
-                                         "rejected": rejected, "target": target_json(llvm_target(opts))}
+                                         "rejected": rejected, "target": target_json(target)}
 
 
 def keep_verified(found: list, searched_dir: Path, out: Path, target) -> tuple[int, list[dict]]:
@@ -298,14 +298,13 @@ class Tvm:
             try:
                 mod, input_name, shape = _import(folded, b)
                 ops = _ops(mod)
+                found = ms.relax_integration.extract_tasks(fused(mod, target), target)
                 if db is not None:
                     exe = ms.relax_integration.compile_relax(db, mod, target, params=None)
-                    found = ms.relax_integration.extract_tasks(fused(mod, target), target)
                     tuned = sum(db.query_tuning_record(t.dispatched[0], target, t.task_name) is not None
                                 for t in found)
                 else:
-                    exe = relax.build(mod, target=target)
-                    found, tuned = ms.relax_integration.extract_tasks(fused(mod, target), target), 0
+                    exe, tuned = relax.build(mod, target=target), 0
             except KilnError:
                 raise
             except Exception as e:          # TVM's importer or build refused the graph
