@@ -1,7 +1,8 @@
 """The real DAG through real DVC, in a fresh copy of the working tree at another path: it builds, reproduces the
 committed dvc.lock, a second repro runs nothing but the toolchain probe, editing a module stales exactly the stages
-that import it, a toolchain change rebuilds only its target's engines and reverting restores them from the cache,
-verdicts are verifiable, reproducibility is proven in fresh processes, and a lost registry is filled again."""
+that import it, a toolchain change rebuilds only its target's engines (the opt-in profiles' targets too) and
+reverting restores them from the cache, verdicts are verifiable, reproducibility is proven in fresh processes, and a
+lost registry is filled again."""
 
 from __future__ import annotations
 
@@ -284,6 +285,64 @@ def test_fingerprint_change_rebuilds_only_that_target_and_a_revert_restores_from
 
 def repo_engines(root: Path, target: str) -> list[str]:
     return [n for n, e in yaml.safe_load((root / "params.yaml").read_text())["engines"].items() if e["target"] == target]
+
+
+# The opt-in targets (profiles/edge.yaml, xla.yaml, tvm.yaml): each one's embedder FP32 engine, the rebuild key whose
+# upgrade is simulated, and the stages besides its compile@ that must go stale with it (tvm's tuning database is keyed
+# by its fingerprint too: a new TVM or LLVM searches again).
+OPT_IN = {"executorch-xnnpack": ("embedder-executorch-xnnpack-fp32", "executorch", ()),
+          "litert": ("embedder-litert-fp32", "converter.litert-torch", ()),
+          "xla": ("embedder-xla-fp32", "jax", ()),
+          "tvm": ("embedder-tvm-fp32", "apache-tvm", ("tune@embedder-tvm-fp32",))}
+# The LiteRT converter's venv (setup.sh --profile edge) is the checkout's, not the copy's (git-ignored, not copied).
+LITERT = {"KILN_LITERT_PYTHON": str(REPO / ".venv-litert" / "bin" / "python")}
+# In the copy TVM tunes with a tiny budget (8 random candidates): the search's result is not what is tested here.
+TINY_TUNING = {"targets": {"tvm": {"tuning": {"trials": 8, "per_iteration": 8, "cost_model": "random"}}}}
+
+
+@pytest.fixture(scope="module")
+def profiled(repo, tmp_path_factory) -> Path:
+    """A copy of the built default DAG with every opt-in profile merged as a user would (`kiln profile`, `kiln dag
+    --write`), and each opt-in target's embedder FP32 engine (and its tuning database) built by DVC in it."""
+    root = tmp_path_factory.mktemp("profiled") / "build"
+    shutil.copytree(repo, root, symlinks=True)
+    (root / "profiles" / "tiny-tuning.yaml").write_text(yaml.safe_dump(TINY_TUNING))
+    for step in (["profile", "edge"], ["profile", "xla"], ["profile", "tvm"], ["profile", "tiny-tuning"],
+                 ["dag", "--write"]):
+        r = kiln(root, *step)
+        assert r.returncode == 0, (step, r.stdout + r.stderr)
+    stages = [TOOLCHAIN, *(s for _, _, tuned in OPT_IN.values() for s in tuned),
+              *(f"compile@{engine}" for engine, _, _ in OPT_IN.values())]
+    r = dvc(root, "repro", "-s", *map(address, stages), env=LITERT)
+    assert r.returncode == 0 and ran(r.stdout) == set(stages), r.stdout[-3000:] + r.stderr[-3000:]
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", sorted(OPT_IN))
+def test_an_opt_in_targets_toolchain_change_rebuilds_only_its_engines(profiled, target):
+    """The same as for ort-cpu, through DVC in a project with every opt-in profile applied: a new version of this
+    target's toolchain stales exactly its built stages (no other target's, no default stage), the engine is built
+    again, and going back restores it from DVC's run cache without compiling."""
+    engine, key, tuned = OPT_IN[target]
+    fp = profiled / f"artifacts/toolchain/{target}.yaml"
+    original = fp.read_text()
+    doc = yaml.safe_load(original)
+    assert doc["available"] and key in doc["rebuild_on"], doc
+    before = stale(profiled)             # the profiles' other stages (validate@, bench@, …) were never built
+    assert f"compile@{engine}" not in before and not set(tuned) & before, before
+    doc["rebuild_on"][key] = f"{doc['rebuild_on'][key]}.next"          # a "new" version of this target's toolchain
+    fp.write_text(yaml.safe_dump(doc, sort_keys=True))
+    try:
+        assert stale(profiled) - before == {f"compile@{engine}", *tuned}
+        r = dvc(profiled, "repro", "-s", address(f"compile@{engine}"), env=LITERT)
+        assert r.returncode == 0 and ran(r.stdout) == {f"compile@{engine}"}, r.stdout[-3000:] + r.stderr[-3000:]
+    finally:
+        fp.write_text(original)
+    back = dvc(profiled, "repro", "-s", address(f"compile@{engine}"), env=LITERT)
+    assert back.returncode == 0 and not ran(back.stdout), back.stdout
+    assert "cached" in back.stdout.lower() or "restored" in back.stdout.lower(), back.stdout
+    assert stale(profiled) == before
 
 
 @pytest.mark.slow
