@@ -95,8 +95,8 @@ class System:
     @classmethod
     def fastest(cls, cfg: Config, root: Path = Path("."), release_dir: Path | None = None,
                 system: str = DEFAULT_SYSTEM) -> "System":
-        """Per graph, the engine the leaderboard marked: the fastest at batch 1 on this host that passed its gate
-        (artifacts/reports/leaderboard.json; every engine is still verified when it loads)."""
+        """Per graph, the engine the leaderboard marked: the fastest on this host that passed its gate, at the batch
+        the system feeds it (artifacts/reports/leaderboard.json; every engine is still verified when it loads)."""
         import json
 
         board = paths.reports(root) / "leaderboard.json"

@@ -45,6 +45,20 @@ def test_fp32_engine_is_reproducible_native_and_verifies(fp32_engine, built, cfg
     assert verify_manifest(fp32_engine / "embedder-ort-cpu-fp32.manifest.json", root=built) == []
 
 
+def test_a_cold_start_imports_only_the_runtime(fp32_engine, tmp_path):
+    """Process start → first embedding is what a serving host pays: loading an ort-cpu engine in a fresh process
+    imports onnxruntime and numpy, not pydantic (≈ 100 ms: the params models are built only where params are
+    read), onnx (the canonicalizer's) or the stage tools — and gives the same embedding as this process."""
+    from conftest import load_in_fresh_process
+
+    y, heavy = load_in_fresh_process("ort-cpu", fp32_engine, (2, 3, 150, 150),
+                                     ("pydantic", "onnx", "pipeline.stage", "pipeline.config", "torch"),
+                                     tmp_path / "probe.npy")
+    assert heavy == [], heavy
+    from pipeline import engines
+    assert np.array_equal(y, engines.load("ort-cpu", fp32_engine).run(np.full((2, 3, 150, 150), 100, np.float32)))
+
+
 def test_audit_catches_float_convs_in_an_int8_engine(fp32_engine):
     """An 'INT8' engine whose convolutions run in float is exactly the silent fallback the audit must report."""
     audit = targets.get("ort-cpu").audit(fp32_engine, "int8")

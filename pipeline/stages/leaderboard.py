@@ -3,8 +3,9 @@
 One row per engine (model × target × precision) from the bench (one interleaved run per model), the engine's
 validation verdict and its compile audit: p50 at batch 1 and 8, speed-up over PyTorch eager and over the model's
 ONNX Runtime FP32 engine (same run), the accuracy metric its gate reads, the fallback count. Per model the fastest
-engine at batch 1 that passed its gate is marked; an engine that failed its gate, or was not run here, can never be
-marked. Writes artifacts/reports/leaderboard.json (flat rows, a DVC plot) and leaderboard.md (the README's table).
+engine that passed its gate is marked, at the batch a face system feeds that graph (`ranked_at`: 1, or the largest
+benched batch for the nets that get every candidate crop in one call); an engine that failed its gate, or was not
+run here, can never be marked. Writes artifacts/reports/leaderboard.json (flat rows, a DVC plot) and leaderboard.md (the README's table).
 Timings are the bench's records, so both files are uncached like the bench itself.
 """
 
@@ -24,6 +25,19 @@ BASELINE = ("ort-cpu", "fp32")                 # the speed-up every row is also 
 ACCURACY = {"chips": ("cosine_min", "golden cosine min"), "aligner": ("pixel_mae", "pixel MAE"),
             "pnet": ("box_iou_min", "box IoU min"), "rnet": ("box_iou_min", "box IoU min"),
             "onet": ("box_iou_min", "box IoU min"), "retinaface": ("box_iou_min", "box IoU min")}
+
+
+# Graphs a face system feeds a batch per call: MTCNN runs R-Net and O-Net once per photo on every candidate crop (≈ 50
+# R-Net crops in a one-face portrait, ≈ 160 in a three-face frame). Ranked at batch 1 they would be ranked by per-call
+# overhead, which is not what they pay there (on a Zen 5 the batch-1 winner ran R-Net's 50 crops 2.0× slower than
+# the batch-8 one), so they are ranked at the largest benched batch. Every other graph runs once per photo (P-Net
+# once per pyramid level) or per face.
+CROP_FED = ("rnet", "onet")
+
+
+def ranked_at(cfg, model: str) -> int:
+    """The batch `model`'s engines are ranked at: the one a face system feeds it per call (see CROP_FED)."""
+    return max(cfg.bench.batches) if cfg.model(model).samples in CROP_FED else 1
 
 
 def _models(cfg) -> list[str]:
@@ -81,9 +95,12 @@ def rows(cfg, root: Path = Path(".")) -> tuple[list[dict], dict[str, str]]:
                 mine, ref = t.get(f"b{b}_p50_ms"), (timed.get(base) or {}).get(f"b{b}_p50_ms") if base else None
                 row[f"b{b}_speedup_vs_ort_fp32"] = round(ref / mine, 3) if mine and ref else None
             model_rows.append(row)
-        passing = [r for r in model_rows if r["verdict"] == "pass" and r["b1_p50_ms"] is not None]
+        key = f"b{ranked_at(cfg, model)}_p50_ms"
+        for r in model_rows:
+            r["ranked_at"] = ranked_at(cfg, model)
+        passing = [r for r in model_rows if r["verdict"] == "pass" and timed.get(r["engine"], {}).get(key) is not None]
         if passing:
-            best = min(passing, key=lambda r: r["b1_p50_ms"])
+            best = min(passing, key=lambda r: timed[r["engine"]][key])
             best["best"] = True
             winners[model] = best["engine"]
         out.extend(sorted(model_rows, key=lambda r: (r["target"], PRECISIONS.index(r["precision"]))))
@@ -103,10 +120,13 @@ def markdown(rows_: list[dict]) -> str:
              _f(r["b1_speedup_vs_ort_fp32"], ".2f"), _f(r["b8_speedup_vs_ort_fp32"], ".2f"),
              f"{r['accuracy_metric']} {_f(r['accuracy'], '.5g')}", r["verdict"],
              _f(r["fallback_nodes"], "d"),
-             "; ".join(x for x in ("fastest that passes its gate" if r["best"] else "", r["note"]) if x)]
+             "; ".join(x for x in (f"fastest at batch {r['ranked_at']} that passes its gate" if r["best"] else "",
+                                   r["note"]) if x)]
             for r in rows_]
     return ("# Who wins, per graph (this host, one bench run per model)\n\n"
-            "Bold model: the fastest engine at batch 1 that passed its validation gate. × = speed-up (p50 ratio in "
+            "Bold model: the fastest engine that passed its validation gate, at the batch a face system feeds the "
+            "graph (1; R-Net and O-Net, fed every candidate crop in one call: the largest benched batch). "
+            "× = speed-up (p50 ratio in "
             "the same interleaved run). Accuracy: the metric the model's gate reads (embedder: golden cosine min; "
             "MTCNN nets: box IoU min vs the reference cascade; aligner: pixel MAE).\n\n"
             + tables.markdown(head, body) + "\n")

@@ -29,10 +29,10 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Literal
+from functools import cache
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pipeline import toolchain
 from pipeline.errors import KilnError
@@ -47,10 +47,18 @@ AUDIT_DEVICES = ("CPU", "NPU")
 AUTO_NAME = re.compile(r"[A-Za-z]+_\d+")
 
 
-class Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0              # INFERENCE_NUM_THREADS; 0 = plugin default
-    performance_hint: Literal["LATENCY", "THROUGHPUT"] = "LATENCY"
+@cache
+def options_model() -> type:
+    """The params model (`targets.openvino-cpu`), built on first use: pydantic costs ≈ 100 ms to import and build,
+    and a runner's cold start (pipeline/coldstart.py) never needs it."""
+    from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0          # INFERENCE_NUM_THREADS; 0 = plugin default
+        performance_hint: Literal["LATENCY", "THROUGHPUT"] = "LATENCY"
+
+    return Options
 
 
 def _ov():
@@ -85,8 +93,8 @@ class OpenVinoCpu:
                                       basis="IR from save_model(compress_to_fp16=False) in a process without "
                                             "query_model; runtime properties in config.json")
 
-    def parse_options(self, raw: dict) -> Options:
-        return validate_options(Options, raw, self.name)
+    def parse_options(self, raw: dict) -> Any:
+        return validate_options(options_model(), raw, self.name)
 
     def probe(self) -> Toolchain:
         try:
@@ -107,7 +115,7 @@ class OpenVinoCpu:
 
     # ------------------------------------------------------------------------------------------ compile
     @staticmethod
-    def runtime_config(precision: str, options: Options) -> dict:
+    def runtime_config(precision: str, options: Any) -> dict:
         """The properties the IR is compiled with at load: the precision pinned, never the plugin's default."""
         cfg = {"INFERENCE_PRECISION_HINT": HINT[precision], "PERFORMANCE_HINT": options.performance_hint,
                "NUM_STREAMS": 1}

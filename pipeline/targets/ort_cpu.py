@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from pipeline import toolchain
 from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
@@ -28,11 +28,19 @@ FLOAT_COMPUTE = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGem
 HEAVY = {"Conv", "FusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "ConvTranspose"}
 
 
-class Options(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    graph_optimization: Literal["basic", "extended", "all"] = "all"   # offline; `all` may use this CPU's layouts
-    threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0             # intra-op threads; 0 = ORT's default
-    spin: StrictBool = False                                           # idle intra-op threads spin-wait?
+@cache
+def options_model() -> type:
+    """The params model (`targets.ort-cpu`), built on first use: pydantic costs ≈ 100 ms to import and build, and
+    only the stages that read params need it — a runner's cold start (pipeline/coldstart.py) never does."""
+    from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        graph_optimization: Literal["basic", "extended", "all"] = "all"  # offline; `all` may use this CPU's layouts
+        threads: Annotated[StrictInt, Field(ge=0, le=256)] = 0            # intra-op threads; 0 = ORT's default
+        spin: StrictBool = False                                          # idle intra-op threads spin-wait?
+
+    return Options
 
 
 class OrtCpu:
@@ -42,8 +50,8 @@ class OrtCpu:
     reproducibility = Reproducibility("bit-identical", checked_at_compile=True, bound=1e-6,
                                       basis="offline-optimized graph, canonicalized (targets/canonical.py)")
 
-    def parse_options(self, raw: dict) -> Options:
-        return validate_options(Options, raw, self.name)
+    def parse_options(self, raw: dict) -> Any:
+        return validate_options(options_model(), raw, self.name)
 
     def manifest_extras(self, engine_dir: Path) -> dict:
         return {}
@@ -70,21 +78,23 @@ class OrtCpu:
                          info={"cpu": host["cpu"], "providers": ort.get_available_providers()})
 
     @staticmethod
-    def _session_options(options: Options, optimized_out: Path | None = None):
+    def _session_options(threads: int, spin: bool, optimized_out: Path | None = None, level: str = "all"):
+        """Session options: a compile (`optimized_out`: optimize at `level`, save the graph there) or a load of an
+        engine already optimized offline."""
         import onnxruntime as ort
 
         so = ort.SessionOptions()
-        so.intra_op_num_threads = options.threads
+        so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         # Idle intra-op threads spin by default; with several sessions in one process (the e2e system runs five)
         # on 2 cores they steal each other's time. Off unless params say otherwise.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if options.spin else "0")
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.log_severity_level = 3  # the hardware-specific-layout warning is expected and recorded in the manifest
         if optimized_out is None:
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # already optimized offline
         else:
-            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[options.graph_optimization])
+            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
             so.optimized_model_filepath = str(optimized_out)
         return so
 
@@ -94,11 +104,10 @@ class OrtCpu:
 
         from pipeline.targets.canonical import canonicalize    # imports onnx: not on the runner's (cold-start) path
 
-        engine = out / ENGINE_FILE
-        ort.InferenceSession(str(source), self._session_options(options.options, engine),
+        engine, o = out / ENGINE_FILE, options.options
+        ort.InferenceSession(str(source), self._session_options(o.threads, o.spin, engine, o.graph_optimization),
                              providers=["CPUExecutionProvider"])
         onnx_lib.save(canonicalize(onnx_lib.load(str(engine))), str(engine))  # same model → same bytes
-        o = options.options
         session = {"providers": ["CPUExecutionProvider"], "precision": options.precision,
                    "graph_optimization": o.graph_optimization, "threads": o.threads, "spin": o.spin,
                    "load_with_optimization": "disabled"}
@@ -136,8 +145,7 @@ class OrtRunner:
 
         session = json.loads((engine_dir / SESSION_FILE).read_text())
         self.session = ort.InferenceSession(str(engine_dir / ENGINE_FILE),
-                                            OrtCpu._session_options(Options(threads=session["threads"],
-                                                                            spin=session.get("spin", False))),
+                                            OrtCpu._session_options(session["threads"], session.get("spin", False)),
                                             providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
 
