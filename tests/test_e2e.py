@@ -143,3 +143,27 @@ def test_identify_through_a_gallery_index(system, system_root, cfg):
     finally:
         index.write_bytes(data)
         system.index = None
+
+
+def test_the_leaderboard_ranks_each_graph_at_the_batch_a_system_feeds_it(cfg, tmp_path):
+    """R-Net gets every candidate crop of a photo in one call, so it is ranked at batch 8, where this host's batch-1
+    winner (per-call overhead) loses; the embedder, once per face, at batch 1. A failed gate is never marked, however
+    fast. Timings are this Zen 5's bench (README, "Who wins")."""
+    from pipeline.stages import leaderboard
+
+    timed = {"rnet": {"rnet-ort-cpu-fp32": (0.06, 0.48), "rnet-aoti-cpu-fp32": (0.08, 0.27),
+                      "rnet-openvino-cpu-fp32": (0.14, 0.23)},
+             "embedder": {"embedder-ort-cpu-fp32": (2.55, 13.45), "embedder-ort-cpu-int8": (1.18, 6.35),
+                          "embedder-openvino-cpu-fp32": (1.95, 5.0), "embedder-openvino-cpu-int8": (0.69, 4.13)}}
+    for model, engines in timed.items():
+        for name in engines:
+            verdict = "fail" if name == "embedder-openvino-cpu-int8" else "pass"
+            paths.validation(name, tmp_path).mkdir(parents=True)
+            (paths.validation(name, tmp_path) / paths.VALIDATION_FILE).write_text(json.dumps({"verdict": verdict}))
+        paths.bench(model, tmp_path).mkdir(parents=True)
+        (paths.bench(model, tmp_path) / paths.BENCH_FILE).write_text(json.dumps({"engines": {
+            name: {"b1_p50_ms": b1, "b8_p50_ms": b8} for name, (b1, b8) in engines.items()}}))
+    rows, winners = leaderboard.rows(cfg, tmp_path)
+    assert cfg.bench.batches[-1] == 8 and leaderboard.ranked_at(cfg, "rnet") == 8
+    assert winners == {"rnet": "rnet-openvino-cpu-fp32", "embedder": "embedder-ort-cpu-int8"}
+    assert "fastest at batch 8 that passes its gate" in leaderboard.markdown(rows)
