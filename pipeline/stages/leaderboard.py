@@ -5,7 +5,8 @@ validation verdict and its compile audit: p50 at batch 1 and 8, speed-up over Py
 ONNX Runtime FP32 engine (same run), the accuracy metric its gate reads, the fallback count. Per model the fastest
 engine that passed its gate is marked, at the batch a face system feeds that graph (`ranked_at`: 1, or the largest
 benched batch for the nets that get every candidate crop in one call); an engine that failed its gate, or was not
-run here, can never be marked. Writes artifacts/reports/leaderboard.json (flat rows, a DVC plot) and leaderboard.md (the README's table).
+run here, can never be marked. Writes artifacts/reports/leaderboard.json (flat rows, a DVC plot) and leaderboard.md
+(the README's table).
 Timings are the bench's records, so both files are uncached like the bench itself.
 """
 
@@ -29,7 +30,7 @@ ACCURACY = {"chips": ("cosine_min", "golden cosine min"), "aligner": ("pixel_mae
 
 # Graphs a face system feeds a batch per call: MTCNN runs R-Net and O-Net once per photo on every candidate crop (≈ 50
 # R-Net crops in a one-face portrait, ≈ 160 in a three-face frame). Ranked at batch 1 they would be ranked by per-call
-# overhead, which is not what they pay there (on a Zen 5 the batch-1 winner ran R-Net's 50 crops 2.0× slower than
+# overhead, which is not what they pay there (on a Zen 5 the batch-1 winner ran R-Net's crops 1.5–2.0× slower than
 # the batch-8 one), so they are ranked at the largest benched batch. Every other graph runs once per photo (P-Net
 # once per pyramid level) or per face.
 CROP_FED = ("rnet", "onet")
@@ -76,6 +77,7 @@ def rows(cfg, root: Path = Path(".")) -> tuple[list[dict], dict[str, str]]:
         timed = bench["engines"]
         metric, label = ACCURACY[cfg.model(model).samples]
         base = next((e.name for e in cfg.engines_of(model) if (e.target, e.precision) == BASELINE), None)
+        at = ranked_at(cfg, model)
         model_rows = []
         for e in cfg.engines_of(model):
             t = timed.get(e.name, {})
@@ -89,15 +91,13 @@ def rows(cfg, root: Path = Path(".")) -> tuple[list[dict], dict[str, str]]:
                    "b8_speedup_vs_eager": t.get("b8_speedup_vs_eager"),
                    "accuracy_metric": label, "accuracy": (verdict.get("metrics") or {}).get(metric),
                    "verdict": verdict.get("verdict", "missing"),
-                   "fallback_nodes": audit.get("fallback_nodes"), "best": False,
+                   "fallback_nodes": audit.get("fallback_nodes"), "best": False, "ranked_at": at,
                    "note": bench.get("not_run", {}).get(e.name, "" if t else "not benched")}
             for b in (1, 8):
                 mine, ref = t.get(f"b{b}_p50_ms"), (timed.get(base) or {}).get(f"b{b}_p50_ms") if base else None
                 row[f"b{b}_speedup_vs_ort_fp32"] = round(ref / mine, 3) if mine and ref else None
             model_rows.append(row)
-        key = f"b{ranked_at(cfg, model)}_p50_ms"
-        for r in model_rows:
-            r["ranked_at"] = ranked_at(cfg, model)
+        key = f"b{at}_p50_ms"
         passing = [r for r in model_rows if r["verdict"] == "pass" and timed.get(r["engine"], {}).get(key) is not None]
         if passing:
             best = min(passing, key=lambda r: timed[r["engine"]][key])
