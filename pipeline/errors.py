@@ -17,3 +17,21 @@ class KilnError(Exception):
 
 class GateFailed(KilnError):
     """A validation or audit gate rejected an artifact; the CLI exits 1 so the DAG stops."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI runner's cancel, `kill`, DVC stopping a stage) turned into an exception, so it unwinds through
+    the same `finally` / atomic-rename paths as Ctrl-C and nothing is left half-done."""
+
+
+def _terminated(signum, frame) -> None:       # noqa: ARG001 — the signal handler's signature
+    raise Terminated()
+
+
+def handle_sigterm() -> None:
+    """Treat SIGTERM like SIGINT in this process (main thread only; elsewhere Python refuses handlers)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)

@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pipeline.errors import GateFailed, KilnError
+from pipeline.errors import GateFailed, KilnError, Terminated, handle_sigterm
 
 REPO = Path(__file__).resolve().parents[1]      # the checkout whose code runs (pipeline/ lives here)
 PACKAGE = "pipeline"
@@ -341,7 +341,9 @@ def read_record(stage_name: str, root: Path = Path(".")) -> dict[str, Any] | Non
 
 # ---------------------------------------------------------------------------------------------- CLI edge
 def report_errors(fn: Callable[[], int]) -> int:
-    """Run `fn`; turn Kiln's errors into one line + hint and the documented exit code (1 gate, 2 user error)."""
+    """Run `fn`; turn Kiln's errors into one line + hint and the documented exit code (1 gate, 2 user error).
+    SIGTERM is handled like Ctrl-C (exit 143): it unwinds through the same cleanup."""
+    handle_sigterm()
     try:
         return fn()
     except GateFailed as e:
@@ -354,9 +356,15 @@ def report_errors(fn: Callable[[], int]) -> int:
         if e.hint:
             print(f"hint: {e.hint}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("kiln: interrupted; nothing was left half-written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"kiln: {how}; nothing was left half-written", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    except MemoryError as e:      # its message is often empty; never a traceback
+        print(f"kiln: error: out of memory{': ' + str(e)[:200] if str(e) else ''}", file=sys.stderr)
+        print("hint: the input is larger than this machine can hold; check it, or run with more memory",
+              file=sys.stderr)
+        return 2
 
 
 def parser(stage: Stage, key_help: str = "") -> argparse.ArgumentParser:

@@ -251,6 +251,37 @@ def postgres_server():
         shutil.rmtree(d, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------------------------- reliability suites
+@pytest.fixture(scope="session")
+def project(built, cfg, tmp_path_factory) -> Path:
+    """The reliability suites' scratch project (tests/test_reliability*.py; a test that changes it puts it back):
+    golden + calibration sets, the embedder's golden, export, program, calibration, an ORT engine compiled and
+    validated, the 10k gallery — copied from the session build, then built by the CLI."""
+    from reliability import ENGINE, kiln
+
+    root = tmp_path_factory.mktemp("reliability")
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    (root / "artifacts").mkdir()
+    os.symlink(os.readlink(built / "artifacts/assets") if (built / "artifacts/assets").is_symlink()
+               else built / "artifacts/assets", root / "artifacts/assets")
+    for rel in ("artifacts/data", "artifacts/golden/embedder", "artifacts/export/embedder"):
+        shutil.copytree(built / rel, root / rel)
+    for args in (["toolchain"], ["calibrate", "embedder"], ["quantize", "embedder-ort"], ["compile", ENGINE],
+                 ["validate", ENGINE], ["program", "embedder"], ["gallery", "10000"]):
+        r = kiln(root, *args)
+        assert r.returncode == 0, (args, r.stderr[-3000:])
+    return root
+
+
+@pytest.fixture
+def registry_root(project, tmp_path, template_db) -> tuple[Path, dict]:
+    """The project with its own fresh SQLite registry (pre-migrated copy) for one test."""
+    db = tmp_path / "reg" / "mlflow.db"
+    db.parent.mkdir()
+    shutil.copy(template_db, db)
+    return project, {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
+
+
 # ---------------------------------------------------------------------------------------------- headless Chromium
 ARTIFACTS = REPO / "test-artifacts"          # screenshots the tests keep (git-ignored)
 

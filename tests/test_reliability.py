@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import zipfile
@@ -28,98 +27,12 @@ import yaml
 from PIL import Image
 
 from conftest import REPO, serve_mlflow
+from reliability import (AOTI, ENGINE, PY, _env, clean_error, kill_after, kiln, spawn, versions,
+                         whole_or_absent)
 from pipeline import paths
-from pipeline.manifest import build_manifest, file_digests, manifest_path, verify_manifest, write_manifest
-
-ENGINE, AOTI = "embedder-ort-cpu-fp32", "embedder-aoti-cpu-fp32"
-PY = sys.executable
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _env(extra: dict | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(PYTHONPATH=str(REPO), KILN_ACTOR="tester", **(extra or {}))
-    return env
-
-
-def kiln(root: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "pipeline.cli", *args], cwd=root, env=_env(env), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def spawn(root: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-m", "pipeline.cli", *args], cwd=root, env=_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def clean_error(r: subprocess.CompletedProcess, code: int, *needles: str) -> None:
-    """The documented exit code, one `kiln:` line (plus at most a hint), no traceback, the words expected."""
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith(("WARNING", "  warnings.warn"))]
-    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    kiln_lines = [ln for ln in lines if ln.startswith("kiln: ")]
-    assert len(kiln_lines) == 1 and lines[-1].startswith(("hint: ", "kiln: ")), r.stderr
-    for n in needles:
-        assert n in r.stderr, (n, r.stderr)
-
-
-def whole_or_absent(d: Path) -> None:
-    """Nothing half-written: the output is absent, or every file matches its manifest."""
-    if d.exists():
-        manifests = list(d.glob("*.manifest.json"))
-        assert manifests and not verify_manifest(manifests[0]), (d, list(d.iterdir()))
-
-
-def kill_after(root: Path, seconds: float, *args: str, env: dict | None = None) -> None:
-    """Start a command, SIGKILL it (and its children) after `seconds`: a crash, not a clean stop. A run that ends
-    sooner (a noisy machine) is tried again with half the delay."""
-    for delay in (seconds, seconds / 2, seconds / 4):
-        p = spawn(root, *args, env=env)
-        try:
-            p.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            return
-    pytest.fail(f"{args} always finished before it could be killed")
-
-
-def versions(db: Path | str, name: str) -> list[int]:
-    from mlflow import MlflowClient
-
-    uri = db if isinstance(db, str) else f"sqlite:///{db}"
-    c = MlflowClient(tracking_uri=uri, registry_uri=uri)
-    return sorted(int(v.version) for v in c.search_model_versions(f"name = '{name}'"))
-
+from pipeline.manifest import build_manifest, file_digests, manifest_path, write_manifest
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def project(built, cfg, tmp_path_factory) -> Path:
-    """A scratch project: golden + calibration sets, the embedder's golden, export, program, calibration, an
-    ORT engine compiled and validated, the 10k gallery — copied from the session build, then built by the CLI."""
-    root = tmp_path_factory.mktemp("reliability")
-    shutil.copy(REPO / "params.yaml", root / "params.yaml")
-    (root / "artifacts").mkdir()
-    os.symlink(os.readlink(built / "artifacts/assets") if (built / "artifacts/assets").is_symlink()
-               else built / "artifacts/assets", root / "artifacts/assets")
-    for rel in ("artifacts/data", "artifacts/golden/embedder", "artifacts/export/embedder"):
-        shutil.copytree(built / rel, root / rel)
-    for args in (["toolchain"], ["calibrate", "embedder"], ["quantize", "embedder-ort"], ["compile", ENGINE],
-                 ["validate", ENGINE], ["program", "embedder"], ["gallery", "10000"]):
-        r = kiln(root, *args)
-        assert r.returncode == 0, (args, r.stderr[-3000:])
-    return root
-
-
-@pytest.fixture
-def registry_root(project, tmp_path, template_db) -> tuple[Path, dict]:
-    """The project with its own fresh SQLite registry (pre-migrated copy) for one test."""
-    db = tmp_path / "reg" / "mlflow.db"
-    db.parent.mkdir()
-    shutil.copy(template_db, db)
-    return project, {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, template_db):
     with serve_mlflow(tmp_path_factory.mktemp("server"), template_db, workers=2) as url:
