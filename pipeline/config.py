@@ -13,6 +13,9 @@ file's values as DVC reads them: manifests record the exact slice each stage tra
 from __future__ import annotations
 
 import math
+import os
+import reprlib
+import stat
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -559,7 +562,8 @@ def _named(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         for k, v in section.items():
             if isinstance(v, dict):
                 if "name" in v:
-                    raise KilnError(f"{path}: {where}.{k}.name: unknown key", "the name is the key it is listed under")
+                    raise KilnError(f"{path}: {where}.{_cut(str(k), 80)}.name: unknown key",
+                                    "the name is the key it is listed under")
                 v = {**v, "name": k}
             named[k] = v
         return named
@@ -594,7 +598,7 @@ def _first_error(path: Path, e: ValidationError) -> KilnError:
     err = next((er for er in errors if str(er["loc"][-1]).startswith("float")), errors[0]) \
         if errors[0]["type"] not in _UNKNOWN else errors[0]
     loc = _key_path(err["loc"])
-    dotted = ".".join(loc) or "top level"
+    dotted = _cut(".".join(loc)) or "top level"
     kind, value = err["type"], err.get("input")
     if kind in _UNKNOWN:
         missing = [_key_path(er["loc"])[-1] for er in errors if er["type"] in _MISSING
@@ -605,20 +609,130 @@ def _first_error(path: Path, e: ValidationError) -> KilnError:
     if kind in _MISSING:
         return KilnError(f"{path}: {dotted}: missing", f"add `{loc[-1]}:` (see the repository's params.yaml)")
     if kind == "string_pattern_mismatch" and SLUG.pattern in str(err.get("ctx", {}).get("pattern", "")):
-        return KilnError(f"{path}: {dotted}: {value!r} is not a valid name",
+        return KilnError(f"{path}: {dotted}: {_quote(value)} is not a valid name",
                          "names become paths: use 1-64 letters, digits, '-' or '_', starting with a letter or digit")
-    shown = "a mapping" if isinstance(value, dict) else repr(value)
-    return KilnError(f"{path}: {dotted}: {err['msg'].rstrip('.')} (got {shown})", "fix the value in params.yaml")
+    shown = "a mapping" if isinstance(value, dict) else _quote(value)
+    return KilnError(f"{path}: {dotted}: {_cut(err['msg'].rstrip('.'))} (got {shown})", "fix the value in params.yaml")
+
+
+# ---------------------------------------------------------------------------------------------- reading YAML
+MAX_BYTES = 1 << 20      # params.yaml is ~18 kB, a profile ~2 kB
+MAX_NODES = 50_000       # values once aliases are expanded (params.yaml: ~700): a billion-laughs chain stops here
+MAX_DEPTH = 32           # nesting once aliases are expanded (params.yaml: 6); libyaml itself stops at 1000
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = 80
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _quote(value: Any) -> str:
+    """A user's value as an error quotes it: abridged (never a whole alias-expanded value)."""
+    return _cut(_repr.repr(value), 100)
+
+
+def _line(node: yaml.Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _check_graph(root: yaml.Node) -> None:
+    """Walk the composed nodes once, before any value is built. Aliases are shared nodes, so a sizes memo makes
+    an exponential alias chain cost what its text costs; a value that would expand past MAX_NODES / MAX_DEPTH, an
+    alias into its own collection and a key given twice in one mapping (the last would silently win, where DVC
+    refuses the file) are refused with their line."""
+    done: dict[int, tuple[int, int]] = {}       # id(node) → (nodes, depth) once expanded
+    open_: set[int] = set()                     # the nodes on the path being walked
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        if id(node) in done:
+            stack.pop()
+            continue
+        kids = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else
+                node.value if isinstance(node, yaml.SequenceNode) else [])
+        if id(node) not in open_:
+            open_.add(id(node))
+            if isinstance(node, yaml.MappingNode):
+                _unique_keys(node)
+            for kid in kids:
+                if id(kid) in open_:
+                    raise KilnError(f"line {_line(kid)}: an alias refers to a collection that contains it",
+                                    "a value cannot contain itself: write it out")
+            stack.extend(kids)
+            continue
+        open_.discard(id(node))
+        stack.pop()
+        nodes = 1 + sum(done[id(k)][0] for k in kids)
+        depth = 1 + max((done[id(k)][1] for k in kids), default=0)
+        if nodes > MAX_NODES or depth > MAX_DEPTH:
+            raise KilnError(f"line {_line(node)}: this value, aliases expanded, "
+                            + (f"holds more than {MAX_NODES} values" if nodes > MAX_NODES
+                               else f"is nested more than {MAX_DEPTH} levels deep"),
+                            "a params file is small and shallow: check its anchors (&) and aliases (*)")
+        done[id(node)] = (nodes, depth)
+
+
+def _unique_keys(node: yaml.MappingNode) -> None:
+    first: dict[tuple[str, str], int] = {}
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode):       # `<<` too: DVC (ruamel) refuses two merge keys
+            if (key.tag, key.value) in first:
+                raise KilnError(f"line {_line(key)}: duplicate key `{_cut(key.value, 80)}` (first on line "
+                                f"{first[key.tag, key.value]})", "keep one of them: the last would silently win")
+            first[key.tag, key.value] = _line(key)
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):     # libyaml: ~10x faster than the pure-Python one
+    def construct_document(self, node):
+        _check_graph(node)
+        return super().construct_document(node)
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as e:      # a tagged value that does not parse, e.g. a date 2020-13-45
+            raise yaml.constructor.ConstructorError(None, None, _cut(str(e)), node.start_mark) from None
+
+
+def read_yaml(path: Path, not_found_hint: str) -> Any:
+    """A user's YAML file (params.yaml, a profile), read within bounds: a regular file of at most MAX_BYTES, UTF-8,
+    its values bounded as `_check_graph` says. Every failure is a KilnError naming the file (and the line)."""
+    path = Path(path)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):       # a FIFO would block, /dev/zero never end
+            raise KilnError(f"{path}: not a regular file", "pass the path of a YAML file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise KilnError(f"{path}: not found", not_found_hint) from None
+    except OSError as e:
+        raise KilnError(f"{path}: cannot read it ({e.strerror})", "pass the path of a readable YAML file") from None
+    if len(data) > MAX_BYTES:
+        raise KilnError(f"{path}: larger than {MAX_BYTES >> 20} MiB", "check that this is the right file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KilnError(f"{path}: not UTF-8 text (byte {e.start})", "save the file as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except KilnError as e:
+        raise KilnError(f"{path}: {e.message}", e.hint) from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}: " if mark else ""
+        raise KilnError(f"{path}: invalid YAML: {where}{_cut(e.problem or e.context or '')}",
+                        "fix the YAML syntax (quote a value meant as text)") from None
+    except yaml.YAMLError as e:
+        raise KilnError(f"{path}: invalid YAML: {_cut(str(e).splitlines()[0])}", "fix the YAML syntax") \
+            from None
+    except RecursionError:                       # the pure-Python loader (no libyaml) on deep nesting
+        raise KilnError(f"{path}: invalid YAML: nested too deeply", "a params file is a few levels deep") from None
 
 
 def load(path: Path = DEFAULT_PARAMS) -> Config:
     path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise KilnError(f"{path}: not found", "run kiln from the repository root, or pass --params PATH") from None
-    except yaml.YAMLError as e:
-        raise KilnError(f"{path}: invalid YAML: {e}".splitlines()[0], "fix the YAML syntax") from None
+    raw = read_yaml(path, "run kiln from the repository root, or pass --params PATH")
     if not isinstance(raw, dict):
         raise KilnError(f"{path}: must be a mapping of sections", "see the repository's params.yaml")
     try:
@@ -627,5 +741,5 @@ def load(path: Path = DEFAULT_PARAMS) -> Config:
         raise _first_error(path, e) from None
     if bad := _cross_check(params):
         key, problem, hint = bad[0]
-        raise KilnError(f"{path}: {key}: {problem}", hint)
+        raise KilnError(f"{path}: {key}: {_cut(problem)}", _cut(hint))     # a problem may quote a value
     return Config(path, raw, params)

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import xxhash
 
 from pipeline.errors import KilnError
+from pipeline.paths import ARTIFACTS
 
 SCHEMA = "kiln.manifest/2"
 SUFFIX = ".manifest.json"
@@ -268,8 +269,28 @@ def read_verified(path: Path, fast: bool = False, hint: str = "") -> dict[str, A
 
 
 def find_manifests(path: Path) -> list[Path]:
+    """The manifests under `path`, following symlinked folders (an artifact folder may be a link: what is behind
+    it is what stages use), each real folder once (a link loop ends there). Hidden folders are a live stage's
+    temporary output, skipped."""
     path = Path(path)
     if path.is_file():
         return [path]
-    return sorted(p for p in path.rglob(f"*{SUFFIX}")
-                  if not any(part.startswith(".") for part in p.relative_to(path).parts))  # temp dirs of a live stage
+    found, seen = [], set()
+    for top, dirs, files in os.walk(path, followlinks=True):
+        st = os.stat(top)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs.clear()
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(top) / f for f in files if f.endswith(SUFFIX) and not f.startswith(".")]
+    return sorted(found)
+
+
+def project_root(manifest: Path) -> Path | None:
+    """The project a manifest belongs to, whose root its inputs are recorded relative to: the folder holding the
+    nearest `artifacts/` above it (as named: links not resolved). None outside any artifacts folder."""
+    for parent in Path(os.path.abspath(manifest)).parents:
+        if parent.name == ARTIFACTS.name:
+            return parent.parent
+    return None

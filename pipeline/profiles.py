@@ -16,8 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipeline import paths
 from pipeline.errors import KilnError
 
@@ -33,11 +31,10 @@ def path(name: str, root: Path = Path(".")) -> Path:
 
 
 def load(name: str, root: Path = Path(".")) -> dict[str, Any]:
+    from pipeline import config
+
     p = path(name, root)
-    try:
-        overlay = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise KilnError(f"{p}: invalid YAML: {e}".splitlines()[0], "fix the YAML syntax") from None
+    overlay = config.read_yaml(p, "see profiles/")    # bounded, duplicate keys refused, as params.yaml
     if not isinstance(overlay, dict) or not overlay:
         raise KilnError(f"{p}: a profile is a mapping of params.yaml sections", "see profiles/rtx.yaml")
     return overlay
@@ -63,6 +60,16 @@ def merged(raw: dict, overlay: dict) -> dict:
     return out
 
 
+def _round_trip(rt, p: Path) -> Any:
+    """ruamel's YAML 1.2 reading of a file PyYAML (1.1) accepted: the two rarely disagree, never a traceback."""
+    from ruamel.yaml.error import YAMLError
+
+    try:
+        return rt.load(p.read_text("utf-8"))
+    except (YAMLError, ValueError) as e:
+        raise KilnError(f"{p}: invalid YAML: {str(e).splitlines()[0][:200]}", "fix the YAML syntax") from None
+
+
 def apply(name: str, params: Path = Path("params.yaml"), root: Path = Path(".")) -> list[str]:
     """Merge profile `name` into `params` (comments kept), check it as the stages would, write it atomically.
     Returns the keys that changed (empty: it was applied already)."""
@@ -70,18 +77,15 @@ def apply(name: str, params: Path = Path("params.yaml"), root: Path = Path("."))
 
     from pipeline import config, targets
 
-    load(name, root)                 # checked as plain YAML first: clear errors
+    load(name, root)                 # both files checked as plain YAML first: clear errors, bounded
+    config.read_yaml(params, "run kiln from the repository root, or pass --params PATH")
     rt = YAML()                      # round-trip: comments, key order, quotes and flow style survive
     rt.preserve_quotes = True
     rt.indent(mapping=2, sequence=4, offset=2)
     rt.width = 4096                  # never break a line mid-mapping (a flow mapping wrapped by hand is joined)
     rt.representer.add_representer(type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))
-    overlay = rt.load(path(name, root).read_text())
     params = Path(params)
-    try:
-        doc = rt.load(params.read_text())
-    except FileNotFoundError:
-        raise KilnError(f"{params}: not found", "run kiln from the repository root, or pass --params PATH") from None
+    overlay, doc = _round_trip(rt, path(name, root)), _round_trip(rt, params)
     changed = merge(doc, overlay)
     if not changed:
         return []
