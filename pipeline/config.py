@@ -102,9 +102,25 @@ Rgb = tuple[Float, Float, Float]
 
 @frozen
 class OnnxSource:
-    """A model delivered as an ONNX file: a path from the project root (an asset or a local file) and its sha256."""
+    """A model delivered as an ONNX file: a path from the project root (an asset or a local file) and its sha256.
+    A model whose weights sit in external-data files beside it pins each of them too (`external`: location as the
+    model names it, relative to its folder → sha256): onnx.load reads them, so they are part of the model."""
     path: StrictStr
     sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
+    external: dict[StrictStr, Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]] = field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _inside(self):
+        bad = [n for n in self.external if not n or n.startswith("/") or ".." in Path(n).parts]
+        if bad:
+            raise ValueError(f"external: {bad[0][:100]!r} must be a path inside the model's folder")
+        return self
+
+    @property
+    def files(self) -> list[str]:
+        """Every file the model reads: the .onnx file, then its external-data files."""
+        folder = Path(self.path).parent
+        return [Path(self.path).as_posix(), *((folder / name).as_posix() for name in sorted(self.external))]
 
 
 @frozen
@@ -142,6 +158,9 @@ class ModelConfig:
     dynamic: dict[StrictStr, tuple[Annotated[StrictInt, Field(ge=0)], ...]] = field(
         default_factory=lambda: {"input": (0,)})    # input name → dynamic axes of the exported graph
     parity_max_abs: Optional[NonNeg] = None         # overrides export.parity.max_abs for this graph's scale
+    # an ONNX model's input layout: nhwc (channels last, TensorFlow's export) is fed transposed by golden@ and gets a
+    # Transpose in front at import@, so every engine sees NCHW; input_shape stays channels first
+    layout: Literal["nchw", "nhwc"] = "nchw"
     name: StrictStr = ""
 
     @model_validator(mode="after")
@@ -159,6 +178,9 @@ class ModelConfig:
             if self.input_shape != (3, size, size):
                 raise ValueError(f"input_shape {list(self.input_shape)} does not match preprocess.chip_size {size}: "
                                  f"use [3, {size}, {size}]")
+        if self.layout == "nhwc" and (self.onnx is None or len(self.input_shape) != 3):
+            raise ValueError("layout: nhwc is for models delivered as ONNX with an image input (input_shape "
+                             "[C, H, W]); a PyTorch factory's input is NCHW")
         if self.samples == "retinaface" and self.onnx is None:
             raise ValueError("a retinaface detector comes from an ONNX file (`onnx: {path, sha256}`)")
         if self.decode is not None and self.samples != "retinaface":

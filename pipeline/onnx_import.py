@@ -2,7 +2,8 @@
 
 Pure functions on `onnx.ModelProto` (the import@<model> stage, pipeline/stages/imports.py, is the thin shell):
 
-* `verify_source`  the file exists and has the sha256 pinned in params.yaml, and passes `onnx.checker`;
+* `verify_source`  the file is a regular file with the sha256 pinned in params.yaml, every external-data file it
+                   reads is pinned too (models.<m>.onnx.external), and it passes `onnx.checker`;
 * `runnable`       structural fixes that change no value: drop graph inputs no node reads and that have no
                    initializer (ONNX Runtime refuses a graph whose declared inputs are not fed), unlist initializers
                    from the graph inputs (IR ≥ 4: they are constants, not overridable inputs — ORT will not fold
@@ -15,24 +16,29 @@ Pure functions on `onnx.ModelProto` (the import@<model> stage, pipeline/stages/i
                    (float rounding only; the parity gate checks it);
 * `dynamic_batch`  a batch fixed at 1 becomes a `batch` dim_param (value shapes re-inferred); a graph that hard-codes
                    its batch inside is caught by the parity run at the golden set's batch;
-* `check_io`       the declared preprocessing (models.<m>.input_shape) and the role's outputs match the graph;
+* `check_io`       the declared preprocessing (models.<m>.input_shape, in models.<m>.layout) and the role's outputs
+                   match the graph, and it has no Loop; golden@ runs it (`check_source`) before the reference does;
+* `channels_first` an NHWC model (layout: nhwc) gets a Transpose in front: every engine is fed NCHW;
 * `rename_input`   the graph input is called `input`, as every feed of a chips model is.
 
 The golden reference of an ONNX model (golden@<model>) is ONNX Runtime, graph optimizations off, on `runnable` of
-the original file: the original's arithmetic, with nothing folded.
+the original file: the original's arithmetic, with nothing folded (an NHWC model is fed its feeds transposed).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import stat
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 
 from pipeline.errors import KilnError
-from pipeline.manifest import sha256_file
 
 # ops evaluated once at import when every input is a constant (weights): shape/format ops and weight dequantization
 FOLDABLE = ("DequantizeLinear", "Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Identity", "Flatten",
@@ -50,25 +56,81 @@ def hint_for(model: str) -> str:
     return f"fix models.{model}.onnx in params.yaml (path from the project root and the file's sha256)"
 
 
-def verify_source(path: Path, sha256: str, model: str) -> onnx.ModelProto:
-    """The pinned file, loaded and checked; every failure names the file and what to change."""
-    if not path.is_file():
-        raise KilnError(f"{path}: ONNX file of model {model!r} not found",
-                        "run `kiln assets` if it is a pinned asset, or " + hint_for(model))
-    actual = sha256_file(path)
+def _read_regular(path: Path, model: str, whole: bool, what: str = "ONNX file") -> tuple[bytes | None, str]:
+    """(the bytes if `whole`, sha256) of a regular file. Opened without blocking and checked on the open file: a FIFO
+    or device named like a model would otherwise hang the read (or never end)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise KilnError(f"{path}: {what} of model {model!r} not found",
+                        "run `kiln assets` if it is a pinned asset, or " + hint_for(model)) from None
+    except OSError as e:
+        raise KilnError(f"{path}: cannot open ({e.strerror})", hint_for(model)) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise KilnError(f"{path}: not a regular file (a folder, FIFO or device)", hint_for(model))
+    with os.fdopen(fd, "rb") as f:
+        h, chunks = hashlib.sha256(), []
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+            if whole:
+                chunks.append(chunk)
+    return (b"".join(chunks) if whole else None), h.hexdigest()
+
+
+def external_files(proto: onnx.ModelProto) -> list[str]:
+    """The external-data locations the model's tensors name (the tensors onnx.load fills from other files)."""
+    return sorted({Path(external_data_helper.ExternalDataInfo(t).location).as_posix()
+                   for t in external_data_helper._get_all_tensors(proto)      # the loader's own walk
+                   if external_data_helper.uses_external_data(t)})
+
+
+def verify_source(path: Path, sha256: str, model: str, external: dict[str, str] | None = None) -> onnx.ModelProto:
+    """The pinned file and every external-data file it reads (`external`: location → sha256), loaded and checked;
+    every failure names the file and what to change. An external file the model reads but params.yaml does not pin
+    is refused: its bytes are the model's weights, and a sha256 of model.onnx alone would not cover them."""
+    data, actual = _read_regular(path, model, whole=True)
     if actual != sha256:
         raise KilnError(f"{path}: sha256 {actual} differs from models.{model}.onnx.sha256 {sha256}",
                         "the file is not the one pinned: restore it, or pin the new file's sha256 deliberately")
+    external = {Path(k).as_posix(): v for k, v in (external or {}).items()}
     try:
-        proto = onnx.load(str(path))
+        proto = onnx.load_model_from_string(data)
+        reads = external_files(proto)
+        for name in reads:
+            if name.startswith("/") or ".." in Path(name).parts:
+                raise KilnError(f"{path}: reads external data outside its folder ({name[:200]!r})",
+                                "save the model with its external data beside it")
+            if name not in external:
+                raise KilnError(f"{path}: reads external data {name[:200]!r}, which models.{model}.onnx.external "
+                                "does not pin", f"pin every file the model reads: models.{model}.onnx.external: "
+                                                f"{{{name[:200]}: <its sha256>}}")
+        for name in sorted(set(external) - set(reads)):
+            raise KilnError(f"models.{model}.onnx.external pins {name!r}, which {path} does not read",
+                            f"remove it from models.{model}.onnx.external")
+        for name in reads:
+            got = _read_regular(path.parent / name, model, whole=False, what="external-data file")[1]
+            if got != external[name]:
+                raise KilnError(f"{path.parent / name}: sha256 {got} differs from models.{model}.onnx.external"
+                                f"[{name!r}] {external[name]}", "the model's external data is not the one pinned: "
+                                "restore it, or pin the new file's sha256 deliberately")
+        external_data_helper.load_external_data_for_model(proto, str(path.parent))
         onnx.checker.check_model(proto, full_check=True)
+    except KilnError:
+        raise
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise KilnError(f"{path}: not a valid ONNX model: {str(e).strip().splitlines()[0]}",
+        raise KilnError(f"{path}: not a valid ONNX model: {str(e).strip().splitlines()[0][:200]}",
                         "export the model again (onnx.checker must pass), or " + hint_for(model)) from None
     except Exception as e:   # a file that is not an ONNX protobuf at all
-        raise KilnError(f"{path}: cannot be read as ONNX ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise KilnError(f"{path}: cannot be read as ONNX ({type(e).__name__}: {first})",
                         "point models.<name>.onnx.path at an .onnx file") from None
     return proto
+
+
+def load_source(mcfg, root: Path) -> onnx.ModelProto:
+    """A model's ONNX source as params.yaml pins it (models.<m>.onnx: path, sha256, external)."""
+    return verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256, mcfg.name, mcfg.onnx.external)
 
 
 def _read_names(g: onnx.GraphProto) -> set[str]:
@@ -343,17 +405,51 @@ def _dims(v) -> list:
     return [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
 
 
-def check_io(proto: onnx.ModelProto, mcfg, source: str) -> dict:
-    """The graph's one input matches models.<m>.input_shape, and its outputs the role; else a clear error."""
+def _fmt(dims: list) -> str:
+    return "×".join(["N", *(str(d) if isinstance(d, int) and d else str(d or "?") for d in dims[1:])])
+
+
+def _fits(dims: list, want: list) -> bool:
+    return len(dims) == len(want) and all(not (isinstance(d, int) and d) or d == w for d, w in zip(dims, want))
+
+
+def _loops(g: onnx.GraphProto) -> list[str]:
+    out = []
+    for n in g.node:
+        if n.op_type == "Loop" and n.domain in ("", "ai.onnx"):
+            out.append(n.name or n.output[0])
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                out += _loops(sub)
+    return out
+
+
+def check_io(proto: onnx.ModelProto, mcfg, source: str, layout: str | None = None) -> dict:
+    """The graph's one input matches models.<m>.input_shape (channels first; channels last when `layout` — by default
+    models.<m>.layout — is nhwc), its outputs the role, and it has no Loop; else one clear error."""
     g, name = proto.graph, mcfg.name
+    layout = layout or mcfg.layout
+    loops = _loops(g)
+    if loops:   # If runs one branch and Scan as many steps as its input is long; a Loop runs as long as it says
+        raise KilnError(f"{source}: model {name!r} has a Loop ({loops[0][:100]}): its trip count and condition are "
+                        "values in the graph (2^62 runs for ever), so no run of it has a bound Kiln can check",
+                        "export the model with the loop unrolled (Kiln's embedders and detectors are feed-forward)")
     if len(g.input) != 1:
         raise KilnError(f"{source}: model {name!r} has {len(g.input)} inputs ({', '.join(i.name for i in g.input)}); "
                         "an imported model takes one (the chip or photo batch)", "import a single-input graph")
     dims = _dims(g.input[0])
-    want = list(mcfg.input_shape)
-    if len(dims) != 1 + len(want) or any(isinstance(d, int) and d and d != w for d, w in zip(dims[1:], want)):
+    chw = list(mcfg.input_shape)
+    hwc = [*chw[1:], chw[0]] if len(chw) == 3 else chw
+    want = hwc if layout == "nhwc" else chw
+    if not _fits(dims[1:], want):
+        if layout == "nchw" and len(chw) == 3 and _fits(dims[1:], hwc):
+            raise KilnError(f"{source}: input {g.input[0].name!r} is {_fmt(dims)} (NHWC); set models.{name}.layout: "
+                            "nhwc", f"add `layout: nhwc` to models.{name} in params.yaml (input_shape stays "
+                                    f"{chw}): Kiln then feeds it channels last and imports it channels first")
         raise KilnError(f"{source}: input {g.input[0].name!r} is {dims}, but models.{name}.input_shape declares "
-                        f"[batch, {', '.join(map(str, want))}]",
+                        f"[batch, {', '.join(map(str, chw))}]" + (" (layout nhwc: [batch, "
+                                                                   f"{', '.join(map(str, want))}])"
+                                                                   if layout == "nhwc" else ""),
                         f"set models.{name}.input_shape (and preprocess.chip_size) to the model's input size")
     outs = {o.name: _dims(o) for o in g.output}
     if mcfg.samples in ROLE_OUTPUTS:
@@ -366,11 +462,52 @@ def check_io(proto: onnx.ModelProto, mcfg, source: str) -> dict:
     return {"inputs": {g.input[0].name: dims}, "outputs": outs}
 
 
-def reference_session(proto: onnx.ModelProto):
-    """ONNX Runtime on `runnable(proto)` with graph optimizations off: the reference of an ONNX-sourced model."""
-    import onnxruntime as ort
+def check_source(proto: onnx.ModelProto, mcfg, source: str) -> tuple[onnx.ModelProto, dict]:
+    """The first half of the import, up to the I/O check of the file's own graph: golden@ runs it before its
+    reference runs the model, import@ (`prepare`) goes on from it."""
+    m, structural = runnable(proto)
+    m, ops = normalize_opset(m, mcfg.name)
+    m, folded = fold_weights(m)
+    m = infer(m, mcfg.name)
+    check_io(m, mcfg, source)                           # against the file's own shapes, before any change to them
+    return m, {**structural, **ops, **folded}
 
-    from pipeline import opsupport
+
+def channels_first(proto: onnx.ModelProto, layout: str) -> tuple[onnx.ModelProto, dict]:
+    """NHWC: a new NCHW graph input and a Transpose to the old one in front, so every engine is fed NCHW."""
+    if layout != "nhwc":
+        return proto, {}
+    m = onnx.ModelProto()
+    m.CopyFrom(proto)
+    g = m.graph
+    old = g.input[0]
+    new = f"{old.name}_nchw"
+    if new in _read_names(g) or any(t.name == new for t in g.initializer) or any(new in n.output for n in g.node):
+        raise KilnError(f"graph already has a tensor named {new!r}", "rename it in the model")
+    d = list(old.type.tensor_type.shape.dim)
+    x = onnx.helper.make_tensor_value_info(new, old.type.tensor_type.elem_type, [0] * 4)
+    for dst, src in zip(x.type.tensor_type.shape.dim, (d[0], d[3], d[1], d[2])):
+        dst.CopyFrom(src)
+    g.node.insert(0, onnx.helper.make_node("Transpose", [new], [old.name], perm=[0, 2, 3, 1], name="kiln_nchw"))
+    del g.input[:]
+    g.input.append(x)
+    return m, {"layout": "nhwc, a Transpose inserted at the input"}
+
+
+_ORT_OP = re.compile(r"(?:implementation for |Fatal error: )([\w.:]+?)(?:\(|\s|$)")
+
+
+def ort_ops(message: str) -> list[str]:
+    """The ops an ONNX Runtime session-build error names (its whole first line when it names none). It lives here,
+    not in pipeline/opsupport.py, so that golden@ and export@ of an ONNX model do not depend on OpenVINO."""
+    found = _ORT_OP.findall(message)
+    return sorted(set(found)) or [f"(session build failed: {message.strip().splitlines()[0][:200]})"]
+
+
+def reference_session(proto: onnx.ModelProto, layout: str = "nchw"):
+    """ONNX Runtime on `runnable(proto)` with graph optimizations off: the reference of an ONNX-sourced model.
+    Feeds are NCHW; an NHWC model (`layout`) gets them transposed."""
+    import onnxruntime as ort
 
     m, _ = runnable(proto)
     so = ort.SessionOptions()
@@ -380,7 +517,7 @@ def reference_session(proto: onnx.ModelProto):
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 — ORT's own Fail / NotImplemented / InvalidGraph types
         raise KilnError(f"ONNX Runtime, the reference of an imported model, cannot run it: "
-                        f"{', '.join(opsupport.ort_ops(str(e)))}",
+                        f"{', '.join(ort_ops(str(e)))}",
                         "replace those ops in the model (or export it at an opset ONNX Runtime implements)") from None
     fixed = sess.get_inputs()[0].shape[0]
     step = fixed if isinstance(fixed, int) and fixed > 0 else None
@@ -391,28 +528,33 @@ def reference_session(proto: onnx.ModelProto):
         """Feeds bind by position (the file's own input names may differ from the feeds'); a batch fixed in the
         file is run `step` samples at a time."""
         values = list(feed.values())
+        if layout == "nhwc":
+            values = [np.ascontiguousarray(v.transpose(0, 2, 3, 1)) if v.ndim == 4 else v for v in values]
         n = len(values[0])
-        if step is None or step == n:
-            return sess.run(None, dict(zip(inputs, values)))
-        parts = [sess.run(None, dict(zip(inputs, (v[i:i + step] for v in values)))) for i in range(0, n, step)]
+        try:
+            if step is None or step == n:
+                return sess.run(None, dict(zip(inputs, values)))
+            parts = [sess.run(None, dict(zip(inputs, (v[i:i + step] for v in values)))) for i in range(0, n, step)]
+        except Exception as e:  # noqa: BLE001 — ORT's own Fail / InvalidArgument / RuntimeException types
+            raise KilnError(f"ONNX Runtime, the reference of an imported model, fails on it: "
+                            f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}",
+                            "check the model's input (models.<m>.input_shape, layout) against the file") from None
         return [np.concatenate([p[k] for p in parts]) for k in range(len(names))]
 
     return run, names
 
 
 def prepare(proto: onnx.ModelProto, mcfg, source: str) -> tuple[onnx.ModelProto, dict]:
-    """The whole import: runnable → opset floor → weights folded → dynamic batch → shapes → I/O checks."""
-    m, structural = runnable(proto)
-    m, ops = normalize_opset(m, mcfg.name)
-    m, folded = fold_weights(m)
-    m = infer(m, mcfg.name)
-    check_io(m, mcfg, source)                           # against the file's own shapes, before any change to them
+    """The whole import: runnable → opset floor → weights folded → I/O checks → NCHW input → dynamic batch →
+    shapes → I/O checks."""
+    m, checked = check_source(proto, mcfg, source)
+    m, layout = channels_first(m, mcfg.layout)
     m, bn = fold_batchnorm(m)
     m, batch = dynamic_batch(m)
     m = infer(m, mcfg.name)
-    io = check_io(m, mcfg, source)
+    io = check_io(m, mcfg, source, layout="nchw")
     m, renamed = rename_input(m)
-    report = {**structural, **ops, **folded, **bn, **batch, **io, **renamed, "source_opset": opset(proto),
+    report = {**checked, **layout, **bn, **batch, **io, **renamed, "source_opset": opset(proto),
               "source_ir_version": int(proto.ir_version), "source_producer": proto.producer_name or None}
     return m, report
 

@@ -17,14 +17,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_ORT_OP = re.compile(r"(?:implementation for |Fatal error: )([\w.:]+?)(?:\(|\s|$)")
+from pipeline.onnx_import import ort_ops
+
 _OV_OPS = re.compile(r"No conversion rule found for operations: ([^\n]+)")
-
-
-def ort_ops(message: str) -> list[str]:
-    """The ops an ONNX Runtime session-build error names (its whole first line when it names none)."""
-    found = _ORT_OP.findall(message)
-    return sorted(set(found)) or [f"(session build failed: {message.strip().splitlines()[0][:200]})"]
 
 
 def _ort(path: Path) -> list[str] | str:

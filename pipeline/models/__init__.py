@@ -22,8 +22,10 @@ def factory_modules(mcfg: "ModelConfig") -> list[str]:
 
 
 def weight_deps(mcfg: "ModelConfig") -> list[str]:
-    """The model's own source file — its weights, or its ONNX file — as a dependency path (none for a graph
-    without learned weights)."""
+    """The model's own source files — its weights, or its ONNX file and the external-data files it reads — as
+    dependency paths (none for a graph without learned weights)."""
+    if mcfg.onnx is not None:
+        return mcfg.onnx.files
     return [] if mcfg.source_file is None else [Path(mcfg.source_file).as_posix()]
 
 

@@ -182,8 +182,7 @@ def measure_model(cfg, model_name: str, root: Path = Path("."), progress=print) 
     else:   # a model delivered as ONNX: its reference (golden@), ORT on the original file, optimizations off
         from pipeline import onnx_import
 
-        run_eager, _ = onnx_import.reference_session(
-            onnx_import.verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256, model_name))
+        run_eager, _ = onnx_import.reference_session(onnx_import.load_source(mcfg, root), mcfg.layout)
         baseline = ONNX_ORIGINAL
     report["baseline"] = baseline           # what the `×eager` columns divide by
     variants[baseline] = run_eager

@@ -27,6 +27,14 @@ from pipeline.facemetrics import as_l2
 from pipeline.manifest import (atomic_dir, build_manifest, file_input, manifest_path, read_verified,
                                write_bytes_atomic, write_json_atomic, write_manifest)
 
+def source_inputs(mcfg, root: Path) -> list[dict]:
+    """Manifest inputs (digests) of the files the model's graph is read from (models.weight_deps)."""
+    if mcfg.onnx is None:
+        return [file_input("weights", root / w, root) for w in models.weight_deps(mcfg)]
+    return [file_input("onnx_source" if i == 0 else "onnx_external_data", root / f, root)
+            for i, f in enumerate(mcfg.onnx.files)]
+
+
 STAGE = stage.Stage(
     "golden", "pipeline.stages.golden", "FP32 reference outputs (PyTorch, or ORT on an ONNX original) on each "
     "graph's golden inputs",
@@ -91,11 +99,13 @@ def pair_distances(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
 
 
 def onnx_reference(mcfg, feeds: Sequence[samples.Feed], root: Path) -> tuple[list[list[np.ndarray]], list[str]]:
-    """ONNX Runtime on the original (pinned, checked) file: outputs per feed and the output names."""
+    """ONNX Runtime on the original (pinned, checked) file: outputs per feed and the output names. The file's I/O
+    is checked first, as import@ checks it: a wrong input shape or layout, or a Loop, is one clear error."""
     from pipeline import onnx_import
 
-    proto = onnx_import.verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256, mcfg.name)
-    run_feed, names = onnx_import.reference_session(proto)
+    proto = onnx_import.load_source(mcfg, root)
+    onnx_import.check_source(proto, mcfg, mcfg.onnx.path)
+    run_feed, names = onnx_import.reference_session(proto, mcfg.layout)
     outs = []
     for i, feed in enumerate(feeds):
         outs.append(run_feed(feed))
@@ -126,9 +136,7 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
         write_json_atomic(d / "index.json", {"inputs": list(feeds[0]), "outputs": names, "feeds": len(feeds),
                                              "feeds_xxh3_128": summary["feeds_xxh3_128"]})
         files.append(d / "index.json")
-        inputs = [file_input("weights" if mcfg.onnx is None else "onnx_source", root / w, root)
-                  for w in models.weight_deps(mcfg)]
-        inputs += samples.inputs(cfg, model_name, "golden", root)
+        inputs = source_inputs(mcfg, root) + samples.inputs(cfg, model_name, "golden", root)
         if mcfg.samples == "chips":
             gset = load_set(paths.data_set(samples.chip_set(cfg, model_name, "golden"), root))
             emb = np.concatenate([o[0] for o in outs])

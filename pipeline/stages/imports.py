@@ -2,9 +2,10 @@
 
 For a model delivered as ONNX this stage replaces export@: the same output (model.onnx + a manifest of kind `onnx`),
 so calibrate@, quantize@, compile@, validate@ and bench@ treat it like an exported model. What it does
-(pipeline/onnx_import.py): sha256 pin and onnx.checker, structural fixes that change no value, weight-only nodes
-folded to FP32, a fixed batch of 1 made dynamic, strict shape inference, the declared input size and the role's
-output rank checked, the op inventory recorded, every ONNX target the model has engines for asked which ops it
+(pipeline/onnx_import.py): sha256 pins (the file and every external-data file) and onnx.checker, structural fixes
+that change no value, weight-only nodes folded to FP32, the declared input size and layout and the role's output
+rank checked (an NHWC input gets a Transpose in front), a fixed batch of 1 made dynamic, strict shape inference, the
+op inventory recorded, every ONNX target the model has engines for asked which ops it
 cannot run (pipeline/opsupport.py: any → one error naming them per target); then the same parity gate as export@ (params `export.parity`)
 against golden@<model> — ONNX Runtime on the original file with graph optimizations off.
 """
@@ -19,9 +20,9 @@ import onnx
 
 from pipeline import models, onnx_import, opsupport, paths, samples, stage, targets
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import atomic_dir, build_manifest, file_input, input_ref, manifest_path, write_manifest
+from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, write_manifest
 from pipeline.stages.export import check_graph, parity
-from pipeline.stages.golden import load_reference
+from pipeline.stages.golden import load_reference, source_inputs
 
 
 def onnx_models(cfg) -> list[str]:
@@ -63,7 +64,7 @@ def op_support(cfg, model_name: str, onnx_path: Path) -> dict:
 def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
     mcfg, ecfg = cfg.model(model_name), cfg.export
     src = root / mcfg.onnx.path
-    proto = onnx_import.verify_source(src, mcfg.onnx.sha256, model_name)
+    proto = onnx_import.load_source(mcfg, root)
     imported, report = onnx_import.prepare(proto, mcfg, mcfg.onnx.path)
     golden_dir = paths.golden(model_name, root)
     feeds = samples.feeds(cfg, model_name, "golden", root)
@@ -88,8 +89,7 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
                    "bytes": {"source": src.stat().st_size, "imported": onnx_path.stat().st_size}}
         write_manifest(d, build_manifest(
             kind="onnx", name=model_name, model=model_name, precision="fp32", directory=d, files=[onnx_path],
-            inputs=[file_input("onnx_source", src, root),
-                    input_ref("golden", manifest_path(golden_dir, model_name), root)],
+            inputs=[*source_inputs(mcfg, root), input_ref("golden", manifest_path(golden_dir, model_name), root)],
             build={"importer": "kiln-onnx-import", "source_sha256": mcfg.onnx.sha256, "opset": report["opset"],
                    "dynamic_axes": {k: list(v) for k, v in mcfg.dynamic.items()},
                    "inputs": {k: list(v.shape) for k, v in feeds[0].items()}},

@@ -178,8 +178,7 @@ def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
         faces += len(f_ref)
         _match(f_ref, f_got, ious, errs, score_d)
     x, _ = lfw_crops(LFW_RETINAFACE, retinaface.preprocess)
-    run_ref, _ = onnx_import.reference_session(onnx_import.verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256,
-                                                                         model))
+    run_ref, _ = onnx_import.reference_session(onnx_import.load_source(mcfg, root), mcfg.layout)
     p_ref = run_ref({"input": x})[1][:, :, 1].max(1) > dcfg.score_threshold
     p_got = np.asarray(list(runner.run_all({"input": x}))[1])[:, :, 1].max(1) > dcfg.score_threshold
     return {"reference_faces": faces, "photos_with_other_face_count": count_diff,
