@@ -196,16 +196,17 @@ def cmd_release(args) -> int:
 
     key = Path(args.key) if args.key else None
     out = Path(args.out) if args.out else None
-    if args.all_production:
-        made = release.release_all_production(_cfg(args), Path("."), key, out)
+    def show(r) -> None:
+        print(f"{r.name} v{r.version} → {r.archive}  sha256 {r.sha256}"
+              + ("" if r.new else "  (identical to the recorded release)"), flush=True)
+
+    if args.all_production:     # each archive is printed as it is written: a later failure does not hide it
+        release.release_all_production(_cfg(args), Path("."), key, out, on_release=show)
     elif args.name and args.version:
-        made = [release.build(_cfg(args), args.name, args.version, Path("."), key, out)]
+        show(release.build(_cfg(args), args.name, args.version, Path("."), key, out))
     else:
         raise KilnError("name and version (or alias) required", "e.g. kiln release kiln-embedder-ort-cpu-int8 "
                         "production, or kiln release --all-production")
-    for r in made:
-        print(f"{r.name} v{r.version} → {r.archive}  sha256 {r.sha256}"
-              + ("" if r.new else "  (identical to the recorded release)"))
     return 0
 
 

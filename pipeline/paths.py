@@ -30,7 +30,8 @@ def is_slug(name: object) -> bool:
 def slug(name: object, what: str = "name") -> str:
     """`name` if it is a safe path component, else a KilnError naming it."""
     if not is_slug(name):
-        raise KilnError(f"{what} {name!r} is not a valid name",
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:79] + "…"      # never echo unbounded input
+        raise KilnError(f"{what} {shown} is not a valid name",
                         "use 1-64 letters, digits, '-' or '_', starting with a letter or digit (no '/', '.', spaces)")
     return name  # type: ignore[return-value]
 

@@ -22,25 +22,28 @@ RFC 6979 deterministic nonces (cryptography's `deterministic_signing`), so the s
 and the same archive sha256 — a standard ECDSA signature that model-signing's own verifier (and any other) accepts.
 The tar is deterministic too: sorted entries, mtime 0, uid/gid 0, fixed modes, gzip without name or time.
 
-`verify-release` needs no MLflow and no network: model-signing verifies the signature and every file's digest
-(nothing unsigned is accepted), then Kiln re-checks the engine against its manifest, the verdict, every manifest
-link of the chain and the SLSA subjects. The first failure is named and the exit code is 1.
+`verify-release` needs no MLflow and no network. It reads the archive once, as a stream, as strictly as it was
+written (pipeline/archive.py), so GNU tar can find nothing in it that the verifier did not check. Then
+model-signing verifies the signature and every file's digest (nothing unsigned is accepted), and Kiln re-checks the
+engine against its manifest, the verdict, every manifest link of the chain and the SLSA subjects, reading no
+document over a fixed size. The first failure is named and the exit code is 1.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
 import shutil
-import tarfile
+import stat
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from pipeline import paths
+from pipeline.archive import DISK_FULL, safe_extract, write_archive
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (check_files, identity_digest, json_bytes, manifest_path, read_manifest,
                                sha256_file)
@@ -53,7 +56,9 @@ BUILD_TYPE = "https://kiln.invalid/buildtypes/dvc-repro/v1"   # names Kiln's bui
 SIG_SUFFIX = ".sig"
 RELEASE_ALIAS = "release"                         # the registered model's alias of its latest released version
 RELEASE_TAG = "kiln.release.sha256"               # on the version: its release archive's sha256
-_MAX_MEMBERS, _MAX_BYTES = 10_000, 8 << 30       # an archive beyond these is refused before extraction
+# Bounds on what Kiln reads from a release or a key file, applied before parsing (the archive's own: pipeline/archive.py)
+_MAX_DOC = 8 << 20                                # one JSON document: signature, release.json, a manifest, ...
+_MAX_KEY = 64 << 10                               # a PEM key file
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,8 @@ def _outside_repo(path: Path, what: str) -> Path:
     from pipeline.stage import REPO
 
     p = Path(path).expanduser().resolve()
-    if p == REPO or REPO in p.parents:
+    repo = REPO.resolve()
+    if p == repo or repo in p.parents:
         raise KilnError(f"{what} {path} is inside the repository ({REPO})",
                         f"keep signing keys out of the checkout, e.g. {KEY_ENV}=~/.config/kiln/signing-key.pem")
     return p
@@ -84,24 +90,54 @@ def key_path(given: str | None = None) -> Path:
     return Path(raw).expanduser()
 
 
+def _read_key(path: Path, what: str, hint: str) -> bytes:
+    """A key file's bytes: a regular file of at most _MAX_KEY bytes (not a FIFO, a device or a padded file)."""
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_KEY:
+            raise KilnError(f"{path}: not a {what} (a PEM key is a regular file under {_MAX_KEY >> 10} KiB)", hint)
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise KilnError(f"{path}: no such {what}", hint) from None
+    except OSError as e:
+        raise KilnError(f"{path}: cannot read the {what} ({e.strerror})", hint) from None
+
+
 def keygen(private: Path) -> tuple[Path, Path]:
-    """A new EC P-256 key pair: `private` (PEM, mode 0600) and `private`.pub. Never overwrites a key."""
+    """A new EC P-256 key pair: `private` (PEM, mode 0600) and `private`.pub. Never overwrites a key, never writes
+    through a link (a dangling `.pub` link could point into the checkout), never into the repository."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    private = _outside_repo(private, "signing key")
-    public = private.with_name(private.name + ".pub")
+    given = Path(private).expanduser()
+    folder = _outside_repo(given.parent, "signing key folder")      # links in the folder's path resolved
+    private, public = folder / given.name, folder / f"{given.name}.pub"
     for p in (private, public):
-        if p.exists():
-            raise KilnError(f"{p} already exists; a key is never overwritten", "choose another path with --out")
+        if os.path.lexists(p):
+            raise KilnError(f"{p} already exists{' (a link)' if p.is_symlink() else ''}; a key is never overwritten "
+                            "or written through a link", "choose another path with --out")
     key = ec.generate_private_key(ec.SECP256R1())
-    private.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    pems = {private: (key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption()), 0o600),
+            public: (key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo), 0o644)}
+    written: list[Path] = []
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for p, (pem, mode) in pems.items():     # O_EXCL | O_NOFOLLOW: a link or file put there meanwhile fails
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+            written.append(p)
+            with os.fdopen(fd, "wb") as f:
+                f.write(pem)
+    except BaseException as e:                  # both keys or neither (an error, Ctrl-C, SIGTERM)
+        for p in written:
+            p.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            why = f"{e.filename} is not a folder" if isinstance(e, (FileExistsError, NotADirectoryError)) else \
+                f"{e.filename or private}: {e.strerror}"
+            raise KilnError(f"cannot write the key {private} ({why})",
+                            "choose a path in a writable folder with --out") from None
+        raise
     return private, public
 
 
@@ -129,12 +165,19 @@ def sign_tree(tree: Path, signature: Path, private_key: Path) -> None:
     from sigstore_models import intoto as intoto_pb
     from sigstore_models.bundle import v1 as bundle_pb
 
+    from cryptography.hazmat.primitives import serialization
+
+    hint = "use a key made by `kiln keygen` (EC P-256, PEM, unencrypted)"
     try:
-        signer = sign_ec_key.Signer(Path(private_key))
-    except (ValueError, TypeError, OSError) as e:
-        raise KilnError(f"{private_key}: not a usable signing key ({e})",
-                        "use a key made by `kiln keygen` (EC P-256, PEM, unencrypted)") from None
-    key = signer._private_key
+        key = serialization.load_pem_private_key(_read_key(Path(private_key), "signing key", hint), None)
+    except (ValueError, TypeError) as e:
+        raise KilnError(f"{private_key}: not a usable signing key ({str(e)[:200]})", hint) from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name != "secp256r1":
+        kind = key.curve.name if isinstance(key, ec.EllipticCurvePrivateKey) else \
+            type(key).__name__.removesuffix("PrivateKey")                # RSA, Ed25519, DSA, ...
+        raise KilnError(f"{private_key}: a {kind} key; kiln signs with EC P-256 keys",
+                        "make one with `kiln keygen --out PATH`")
+    signer = sign_ec_key.Signer(Path(private_key))
     statement = ms_signing.Payload(_hashing().hash(tree)).statement
     raw = json_format.MessageToJson(statement.pb, sort_keys=True).encode("utf-8")
     sig = key.sign(sigstore_pb.pae(raw), ec.ECDSA(sign_ec_key.get_ec_key_hash(key.public_key()),
@@ -158,76 +201,20 @@ def verify_tree(tree: Path, signature: Path, public_key: Path) -> None:
         msg = str(e) or type(e).__name__
         hint = "do not use this release; get the archive and the publisher's key again"
         if changed := re.findall(r"Hash mismatch for \\*'([^'\\]+)", msg):
-            raise GateFailed(f"signed content: {', '.join(changed)}: sha256 differs from the signed statement",
-                             hint) from None
+            raise GateFailed(f"signed content: {', '.join(changed[:5])[:500]}: sha256 differs from the signed "
+                             "statement", hint) from None
         if msg.startswith("Signature mismatch"):                    # files added or removed after signing
-            raise GateFailed(f"signed content: {msg[:500]}", hint) from None
-        raise GateFailed(f"signature: {msg[:300]} ({type(e).__name__})", hint) from None
+            raise GateFailed(f"signed content: {_one_line(msg, 500)}", hint) from None
+        if callable(getattr(e, "errors", None)):                     # pydantic (the bundle's schema): first error
+            first = e.errors()[0]
+            msg = f"{'.'.join(map(str, first.get('loc', ())))}: {first.get('msg')}"
+        raise GateFailed(f"signature: {_one_line(msg, 300)} ({type(e).__name__})", hint) from None
 
 
-# ---------------------------------------------------------------------------------------------- deterministic tar
-def write_archive(dest: Path, top: Path, entries: list[str]) -> str:
-    """tar.gz of `entries` (paths relative to `top`; directories recurse), byte-for-byte deterministic. Returns its
-    sha256. Written to a temporary sibling and renamed."""
-    from pipeline.manifest import atomic_path
-
-    names: list[Path] = []
-    for e in entries:
-        p = top / e
-        names.append(p)
-        if p.is_dir():
-            names.extend(p.rglob("*"))
-    with atomic_path(dest) as tmp:
-        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
-                tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar:
-            for p in sorted(names, key=lambda q: q.relative_to(top).as_posix()):
-                if p.is_symlink():
-                    raise KilnError(f"{p}: a link cannot go into a release", "release regular files only")
-                info = tarfile.TarInfo(p.relative_to(top).as_posix())
-                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-                if p.is_dir():
-                    info.type, info.mode = tarfile.DIRTYPE, 0o755
-                    tar.addfile(info)
-                else:
-                    info.size, info.mode = p.stat().st_size, 0o644
-                    with open(p, "rb") as f:
-                        tar.addfile(info, f)
-    return sha256_file(dest)
-
-
-def safe_extract(archive: Path, dest: Path) -> None:
-    """Extract only regular files and directories whose names stay inside `dest` (no links, devices, absolute
-    paths or '..'), within size limits."""
-    try:
-        tar = tarfile.open(archive, "r:gz")
-    except (OSError, tarfile.TarError, EOFError) as e:
-        raise GateFailed(f"{archive}: not a readable release archive ({e})", "get the archive again") from None
-    with tar:
-        try:
-            members = tar.getmembers()
-        except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as e:
-            raise GateFailed(f"{archive}: archive is corrupt ({e})", "get the archive again") from None
-        if len(members) > _MAX_MEMBERS or sum(m.size for m in members) > _MAX_BYTES:
-            raise GateFailed(f"{archive}: too many or too large members for a release", "get the archive again")
-        names: set[str] = set()
-        for m in members:
-            parts = Path(m.name).parts
-            if Path(m.name).is_absolute() or ".." in parts or not (m.isfile() or m.isdir()):
-                raise GateFailed(f"{archive}: member {m.name!r} is not a plain file inside the archive",
-                                 "refusing to extract it; do not use this archive")
-            key = Path(m.name).as_posix()
-            if key in names:              # tar readers disagree on which copy wins: a second copy is never fine
-                raise GateFailed(f"{archive}: member {m.name!r} appears twice", "do not use this archive")
-            names.add(key)
-        files = [Path(m.name) for m in members if m.isfile()]
-        for m in members:                 # the signature covers files only: an empty directory is unsigned content
-            if m.isdir() and not any(Path(m.name) in f.parents for f in files):
-                raise GateFailed(f"{archive}: directory {m.name!r} holds no file (unsigned content)",
-                                 "do not use this archive")
-        try:
-            tar.extractall(dest, filter="data")
-        except (tarfile.TarError, EOFError, OSError) as e:
-            raise GateFailed(f"{archive}: archive is corrupt ({e})", "get the archive again") from None
+def _one_line(text: str, limit: int) -> str:
+    """A message from a library (often several lines, sometimes quoting its input) as one bounded line."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 # ---------------------------------------------------------------------------------------------- building a release
@@ -351,7 +338,7 @@ def build(cfg, name: str, ref: str, root: Path = Path("."), key: Path | None = N
     out_dir = Path(out_dir) if out_dir else root / RELEASES
     name = registered_name(cfg, name)
     reg = Registry(cfg, root)
-    with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-release-") as tmp:
+    with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-release-") as tmp, _writing(Path(tmp)):
         reg.require_model(name)
         version = _resolve_version(reg, name, ref)
         v = download_verified(reg, name, version, Path(tmp) / "download")
@@ -419,20 +406,71 @@ def _write(path: Path, obj: Any) -> None:
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _bounded(path: Path, what: str) -> None:
+    """Refuse a document of a release that is larger than any real one, before anything parses it."""
+    size = path.stat().st_size if path.is_file() else 0
+    if size > _MAX_DOC:
+        raise GateFailed(f"{what}: {size} bytes; no document of a release is over {_MAX_DOC >> 20} MiB",
+                         "do not use this release")
+
+
+def _doc(path: Path, what: str) -> Any:
+    """A JSON document of the release, bounded in size and nesting; None when missing or not JSON."""
+    _bounded(path, what)
+    try:
+        return json.loads(path.read_bytes())
+    except RecursionError:
+        raise GateFailed(f"{what}: JSON nested too deeply for a release document", "do not use this release") from None
     except (OSError, ValueError):
         return None
 
 
+def _manifest(path: Path, what: str) -> dict[str, Any]:
+    """A manifest of the release (read_manifest's checks), bounded like every document; a gate failure if bad."""
+    _bounded(path, what)
+    try:
+        return read_manifest(path)
+    except RecursionError:
+        raise GateFailed(f"{what}: JSON nested too deeply for a manifest", "do not use this release") from None
+    except KilnError as e:
+        raise GateFailed(f"{what}: {e.message}", "do not use this release") from None
+
+
 def _place(staged: Path, dest: Path, sha: str) -> None:
-    """Move the archive to `dest`; an existing archive is kept if identical and never overwritten if not."""
+    """Copy the archive to `dest` (whole or not at all); an existing archive is kept if identical and never
+    overwritten if not."""
+    from pipeline.manifest import atomic_path
+
     if dest.exists():
         if sha256_file(dest) == sha:
             return
         raise KilnError(f"{dest} exists with other bytes (sha256 {sha256_file(dest)}, this build {sha}); a release "
                         "is never overwritten", "move the old archive away deliberately, or pass --out DIR")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(staged), str(dest.with_name(f".{dest.name}.{os.getpid()}.tmp")))
-    os.replace(dest.with_name(f".{dest.name}.{os.getpid()}.tmp"), dest)
+    try:
+        with atomic_path(dest) as tmp:
+            shutil.copyfile(staged, tmp)
+    except OSError as e:          # full, over quota or `ulimit -f`, read-only, not ours: atomic_path removed its .tmp
+        raise KilnError(f"cannot write {dest}: {e.strerror}",
+                        "free space there (or pass --out DIR elsewhere), then run the same command again") from None
+
+
+@contextmanager
+def _writing(scratch: Path) -> Iterator[None]:
+    """A full disk (or quota, or `ulimit -f`) while staging in the scratch folder or recording: one line naming
+    where, not a traceback; the scratch folder itself is removed by its own context manager."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        where = e.filename2 or e.filename or f"in the temporary folder {scratch.parent}"
+        raise KilnError(f"cannot write {where}: {e.strerror}",
+                        "free space there, or point TMPDIR at a roomier filesystem, then run the command again") \
+            from None
 
 
 def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str) -> bool:
@@ -452,8 +490,10 @@ def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str) -> 
     return True
 
 
-def release_all_production(cfg, root: Path = Path("."), key: Path | None = None,
-                           out_dir: Path | None = None) -> list[Release]:
+def release_all_production(cfg, root: Path = Path("."), key: Path | None = None, out_dir: Path | None = None,
+                           on_release: Callable[[Release], None] | None = None) -> list[Release]:
+    """Release every model's production version, in name order; `on_release` hears of each as it is written. The
+    first failure stops the run and says which models were not released."""
     from pipeline.registry.client import Registry, errors, is_lock
     from pipeline.registry.releases import PRODUCTION
 
@@ -463,7 +503,18 @@ def release_all_production(cfg, root: Path = Path("."), key: Path | None = None,
                        if not is_lock(m) and PRODUCTION in (m.aliases or {}))
     if not names:
         raise KilnError("no registered model has a production version", "promote one first (kiln promote NAME N)")
-    return [build(cfg, n, PRODUCTION, root, key, out_dir) for n in names]
+    made: list[Release] = []
+    for i, n in enumerate(names):
+        try:
+            made.append(build(cfg, n, PRODUCTION, root, key, out_dir))
+        except KilnError as e:
+            left = ", ".join(names[i:])
+            raise type(e)(f"{'' if n in e.message else n + ': '}{e.message} — not released: {left}; released "
+                          f"{len(made)} of {len(names)}"
+                          + (" (listed above)" if made else ""), e.hint) from None
+        if on_release:
+            on_release(made[-1])
+    return made
 
 
 # ---------------------------------------------------------------------------------------------- verifying a release
@@ -474,27 +525,30 @@ def verify(archive: Path, public_key: Path) -> list[str]:
         raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
     _load_public_key(public_key)
     done: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp, _writing(Path(tmp)):
         tmp = Path(tmp)
-        safe_extract(archive, tmp)
+        safe_extract(archive, tmp, top_file_max=_MAX_DOC)
+        top = sorted(p.name for p in tmp.iterdir())
         sigs = sorted(tmp.glob(f"*{SIG_SUFFIX}"))
         dirs = sorted(p for p in tmp.iterdir() if p.is_dir())
-        if len(sigs) != 1 or len(dirs) != 1 or sigs[0].name != dirs[0].name + SIG_SUFFIX or \
-                len(list(tmp.iterdir())) != 2:
-            raise GateFailed(f"{archive}: expected exactly <R>/ and <R>{SIG_SUFFIX} at the top, found "
-                             f"{sorted(p.name for p in tmp.iterdir())}", "get the archive again")
+        if len(sigs) != 1 or len(dirs) != 1 or sigs[0].name != dirs[0].name + SIG_SUFFIX or len(top) != 2:
+            found = ", ".join(repr(n[:100]) for n in top[:5]) + (f" and {len(top) - 5} more" if len(top) > 5 else "")
+            raise GateFailed(f"{archive}: expected exactly <R>/ and <R>{SIG_SUFFIX} at the top, found {found}",
+                             "get the archive again")
         tree, sig = dirs[0], sigs[0]
+        _bounded(sig, sig.name)
         verify_tree(tree, sig, public_key)
         signed_name = _signed_name(sig)
         done.append(f"signature: model-signing bundle verified with {public_key.name}; every file's sha256 matches "
-                    f"the signed statement (subject {signed_name!r}), none unsigned")
+                    f"the signed statement (subject {signed_name[:200]!r}), none unsigned")
         try:
             done += _check_content(tree, signed_name)
-        except GateFailed:
-            raise
-        except (KeyError, TypeError, AttributeError, ValueError, OSError) as e:    # signed, but not Kiln's layout
-            raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: {e})",
+        except KilnError as e:        # messages quote the release's own values: bounded, whatever they hold
+            raise GateFailed(_one_line(e.message, 500), e.hint if isinstance(e, GateFailed) else
                              "do not use this release") from None
+        except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as e:   # signed, not Kiln's layout
+            raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: "
+                             f"{_one_line(str(e), 200)})", "do not use this release") from None
     return done
 
 
@@ -503,12 +557,11 @@ def _load_public_key(path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
+    pem = _read_key(Path(path), "public key", "pass the publisher's .pub key (kiln keygen writes it)")
     try:
-        key = serialization.load_pem_public_key(Path(path).read_bytes())
-    except FileNotFoundError:
-        raise KilnError(f"{path}: no such public key", "pass the publisher's .pub key (kiln keygen writes it)") from None
-    except (ValueError, TypeError, OSError) as e:
-        raise KilnError(f"{path}: not a PEM public key ({e})",
+        key = serialization.load_pem_public_key(pem)
+    except (ValueError, TypeError) as e:
+        raise KilnError(f"{path}: not a PEM public key ({_one_line(str(e), 200)})",
                         "pass the publisher's public key (KEY.pub), not the private key") from None
     if not isinstance(key, ec.EllipticCurvePublicKey):
         raise KilnError(f"{path}: not an EC public key", "pass the .pub written by kiln keygen")
@@ -519,11 +572,12 @@ def _signed_name(sig: Path) -> str:
     import base64
 
     try:
-        bundle = json.loads(sig.read_text())
+        bundle = json.loads(sig.read_bytes())
         statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
         return str(statement["subject"][0]["name"])
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise GateFailed(f"signature: unreadable statement ({e})", "get the archive again") from None
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
+        raise GateFailed(f"signature: unreadable statement ({_one_line(str(e), 200)})", "get the archive again") \
+            from None
 
 
 def _safe_rel(tree: Path, rel: Any, what: str) -> Path:
@@ -536,7 +590,7 @@ def _check_content(tree: Path, signed_name: str) -> list[str]:
     def fail(what: str, why: str) -> GateFailed:
         return GateFailed(f"{what}: {why}", "do not use this release")
 
-    doc = _read_json(tree / "release.json")
+    doc = _doc(tree / "release.json", "release.json")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise fail("release.json", f"missing or not schema {SCHEMA}")
     expected_name = f"{doc.get('registered_model')}-v{doc.get('version')}"
@@ -545,10 +599,7 @@ def _check_content(tree: Path, signed_name: str) -> list[str]:
                    f"signature's subject {signed_name!r}")
     paths.slug(doc.get("artifact"), "released artifact")
     mfile = _safe_rel(tree, doc.get("manifest"), "manifest")
-    try:
-        manifest = read_manifest(mfile)
-    except KilnError as e:
-        raise fail(doc["manifest"], e.message) from None
+    manifest = _manifest(mfile, doc["manifest"])
     if problems := check_files(mfile, manifest):
         raise fail(doc["manifest"], "; ".join(p.replace(str(tree) + os.sep, "") for p in problems[:3]))
     ident = identity_digest(manifest)
@@ -562,13 +613,10 @@ def _check_content(tree: Path, signed_name: str) -> list[str]:
             f"file(s) match {doc['manifest']} (bytes, xxh3-128, sha256)"]
     vdir = mfile.parent / "kiln"
     vfile = manifest_path(vdir, doc["artifact"])
-    try:
-        vm = read_manifest(vfile)
-    except KilnError as e:
-        raise fail(f"engine/kiln/{vfile.name}", e.message) from None
+    vm = _manifest(vfile, f"engine/kiln/{vfile.name}")
     if check_files(vfile, vm) or identity_digest(vm) != doc.get("validation_manifest_xxh3_128"):
         raise fail(f"engine/kiln/{vfile.name}", "validation manifest or its files differ from the registered ones")
-    verdict = _read_json(vdir / paths.VALIDATION_FILE)
+    verdict = _doc(vdir / paths.VALIDATION_FILE, f"engine/kiln/{paths.VALIDATION_FILE}")
     if not isinstance(verdict, dict) or verdict.get("engine_manifest_xxh3_128") != ident:
         raise fail(f"engine/kiln/{paths.VALIDATION_FILE}", "the validation is about another build")
     attached = verdict.get("verdict") == "not-run" and doc.get("gate") == "attached"
@@ -579,7 +627,7 @@ def _check_content(tree: Path, signed_name: str) -> list[str]:
                    "the archive, so it cannot be re-checked offline" if attached else ""))
     chain_root = tree / "chain"
     start = _safe_rel(chain_root, doc.get("chain_root"), "chain_root")
-    if not start.is_file() or identity_digest(read_manifest(start)) != ident:
+    if not start.is_file() or identity_digest(_manifest(start, f"chain/{doc['chain_root']}")) != ident:
         raise fail("release.json", "chain_root is not this artifact's manifest")
     todo, seen, pinned, local = [(mfile, manifest)], set(), set(), set()
     while todo:
@@ -590,10 +638,7 @@ def _check_content(tree: Path, signed_name: str) -> list[str]:
                 up = _safe_rel(chain_root, ref["manifest"], f"{where}: input")
                 if not up.is_file():
                     raise fail(where, f"input {ref['manifest']} is not in the release's chain")
-                try:
-                    um = read_manifest(up)
-                except KilnError as e:
-                    raise fail(f"chain/{ref['manifest']}", e.message) from None
+                um = _manifest(up, f"chain/{ref['manifest']}")
                 if identity_digest(um) != ref.get("xxh3_128"):
                     raise fail(f"chain/{ref['manifest']}", f"identity {identity_digest(um)}, {m['name']} was built "
                                f"from {ref.get('xxh3_128')}")
@@ -613,7 +658,7 @@ def _check_content(tree: Path, signed_name: str) -> list[str]:
     done.append(f"chain: {len(seen)} upstream manifests, every link's identity digest matches; {len(pinned)} "
                 "weight/photo file(s) are files (same sha256) of a shipped manifest with PyPI pins"
                 + (f"; {len(local)} local input file(s) are known by digest only (no package pin)" if local else ""))
-    st = _read_json(tree / "slsa-provenance.json")
+    st = _doc(tree / "slsa-provenance.json", "slsa-provenance.json")
     if not isinstance(st, dict) or st.get("predicateType") != SLSA_PREDICATE:
         raise fail("slsa-provenance.json", "missing or not a SLSA Provenance v1 statement")
     subjects = {s.get("name"): (s.get("digest") or {}).get("sha256") for s in st.get("subject", [])}
@@ -635,7 +680,7 @@ def _check_file_input(chain_root: Path, ref: dict, where: str, fail) -> str | No
     for d in rel.parents:
         folder = chain_root / d
         for m in sorted(p for p in folder.glob("*.manifest.json") if p.is_file()) if folder.is_dir() else []:
-            doc = read_manifest(m)
+            doc = _manifest(m, f"chain/{m.relative_to(chain_root).as_posix()}")
             member = rel.relative_to(d).as_posix()
             entry = next((e for e in doc["files"] if isinstance(e, dict) and e.get("path") == member), None)
             if entry is not None:
