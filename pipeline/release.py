@@ -474,18 +474,24 @@ def _writing(scratch: Path) -> Iterator[None]:
 
 
 def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str) -> bool:
-    """Tag the version and append a `release` entry (with the archive) to the release history, once per archive."""
-    from pipeline.registry.releases import AliasMove, actor_name, now, record_move
+    """Tag the version and append a `release` entry (with the archive) to the release history, once per archive.
+    The alias moves with its record (move_alias); a kill before the final tag leaves a recorded move that the next
+    release of the same archive completes instead of recording again."""
+    from pipeline.registry.releases import AliasMove, actor_name, move_alias, now, settle
 
     with reg.lock(name):
-        if (reg.version(name, version).tags or {}).get(RELEASE_TAG) == sha:
+        settle(reg, name)
+        tags = reg.version(name, version).tags or {}
+        if tags.get(RELEASE_TAG) == sha:
             return False
-        previous = reg.aliases(name).get(RELEASE_ALIAS)
-        record_move(reg, AliasMove(name, RELEASE_ALIAS, previous, version, "release", actor_name(), now(),
-                                   f"released {archive.name} sha256 {sha[:12]} (from {ref})"))
-        run_id = (reg.version(name, version).tags or {})[f"{RELEASE_ALIAS}_release_run"]   # stamped by record_move
+        reason = f"released {archive.name} sha256 {sha[:12]} (from {ref})"
+        run_id = tags.get(f"{RELEASE_ALIAS}_release_run")
+        if not (run_id and reg.aliases(name).get(RELEASE_ALIAS) == version
+                and reg.client.get_run(run_id).data.tags.get("reason", "").startswith(reason.split(" (from")[0])):
+            move_alias(reg, AliasMove(name, RELEASE_ALIAS, reg.aliases(name).get(RELEASE_ALIAS), version, "release",
+                                      actor_name(), now(), reason))
+            run_id = (reg.version(name, version).tags or {})[f"{RELEASE_ALIAS}_release_run"]   # stamped by it
         reg.client.log_artifact(run_id, str(archive))
-        reg.client.set_registered_model_alias(name, RELEASE_ALIAS, str(version))
         reg.client.set_model_version_tag(name, str(version), RELEASE_TAG, sha)      # last: marks it recorded
     return True
 

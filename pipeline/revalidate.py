@@ -64,7 +64,7 @@ def run(cfg, name: str, version: int, root: Path = Path(".")) -> Revalidation:
 
     from pipeline.registry.client import Registry, errors, registered_name
     from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, VALIDATIONS_EXPERIMENT, AliasMove, actor_name,
-                                            download_verified, now, record_move)
+                                            download_verified, move_alias, now, settle)
     from pipeline.stages import validate
 
     name = registered_name(cfg, name)
@@ -114,12 +114,12 @@ def run(cfg, name: str, version: int, root: Path = Path(".")) -> Revalidation:
         moved = False
         if verdict.passed:
             with reg.lock(name):
+                settle(reg, name)
                 previous = reg.aliases(name).get(CANDIDATE)
                 if previous != version:
-                    client.set_registered_model_alias(name, CANDIDATE, str(version))
-                    record_move(reg, AliasMove(name, CANDIDATE, previous, version, "validate-release", actor_name(),
-                                               now(), f"validation pass attached by run {rid} on "
-                                                      f"{socket.gethostname()}"))
+                    move_alias(reg, AliasMove(name, CANDIDATE, previous, version, "validate-release", actor_name(),
+                                              now(), f"validation pass attached by run {rid} on "
+                                                     f"{socket.gethostname()}"))
                     moved = True
     return Revalidation(name, version, verdict.verdict, rid, verdict.failures, moved)
 

@@ -6,7 +6,7 @@
 * Waits: MLflow retries an unreachable server for minutes by default; here an HTTP(S) server must answer its
   health check within `register.timeout_s`, and MLflow's own retries are bounded by it.
 * Errors: MLflow's and SQLAlchemy's exceptions become one `KilnError` line with a hint, and every URL in any
-  message has its `user:password@` removed.
+  message has its `user:password@` removed; MLflow's own loggers are silenced, so nothing precedes that line.
 * First use of SQLite: a new database is created and migrated in a temporary file under an exclusive lock and
   renamed into place, so concurrent first uses or a kill -9 can never leave a half-migrated schema.
 * Locks: registration and alias moves of one registered model run under a lease lock that works on SQLite and
@@ -150,17 +150,39 @@ def errors(uri: str) -> Iterator[None]:
         hint = "check MLFLOW_TRACKING_URI and that the tracking server is up"
         if "out-of-date database schema" in text:
             hint = f"run `mlflow db upgrade {redact(uri)}` (back the database up first)"
+        elif "OperationalError" in text or "DatabaseError" in text:
+            hint = _DAMAGED
         elif "Max retries exceeded" in text or "Connection" in text:
             first = f"registry unreachable ({first})"
         raise KilnError(f"MLflow ({redact(uri)}): {first}", hint) from None
+    except ModuleNotFoundError as e:            # SQLAlchemy imports a database's driver on first use
+        tb = e.__traceback__
+        while tb.tb_next:
+            tb = tb.tb_next
+        if "sqlalchemy" not in tb.tb_frame.f_code.co_filename:
+            raise
+        raise KilnError(f"MLflow ({redact(uri)}): the database driver {str(e.name)[:100]!r} is not installed",
+                        "install it into the venv, or use another MLFLOW_TRACKING_URI") from None
     except Exception as e:
         mod = type(e).__module__
         if not mod.startswith(("sqlalchemy", "sqlite3", "requests", "urllib3", "alembic")):
             raise
         text = redact(str(e)).strip().splitlines()
-        raise KilnError(f"MLflow ({redact(uri)}): {type(e).__name__}: {(text or ['?'])[0][:300]}",
-                        "the registry database is damaged or locked; if it is a local SQLite file, move it away "
-                        "and rebuild it with `kiln registry sync`") from None
+        raise KilnError(f"MLflow ({redact(uri)}): {type(e).__name__}: {(text or ['?'])[0][:300]}", _DAMAGED) from None
+
+
+_DAMAGED = ("the registry database is damaged or locked; if it is a local SQLite file, move it away and rebuild it "
+            "with `kiln registry sync`")
+
+
+def quiet_mlflow_logs() -> None:
+    """MLflow logs a failed SQL query with its traceback (about 100 lines) just before raising the error that
+    `errors` turns into Kiln's one line, and warns on its own retries: Kiln reports registry failures itself, so
+    MLflow's loggers (and alembic's, which MLflow drives) stay silent."""
+    import logging
+
+    for name in ("mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
 class Registry:
@@ -174,12 +196,14 @@ class Registry:
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # "🏃 View run …" on every run end
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         _bound_waits(self.timeout_s)
+        import mlflow
+        from mlflow import MlflowClient
+
+        quiet_mlflow_logs()                # after `import mlflow`, which sets its loggers' levels
         check_reachable(self.uri, self.timeout_s)
         self.db = sqlite_path(self.uri)
         if self.db is not None:
             init_sqlite(self.db)
-        import mlflow
-        from mlflow import MlflowClient
 
         self.engine_uri = engine_uri = _engine_uri(self.uri)
         # The SQL registry store resolves `models:/<model_id>` sources through a *global* MlflowClient()

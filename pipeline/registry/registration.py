@@ -8,7 +8,10 @@ metrics and the record of its build (git commit, host), and registered as a vers
   logged. The check and the write run under the model's registry lock (pipeline/registry/client.py), so eight
   concurrent registrations of one engine make one version, on SQLite and on a tracking server alike.
 * The digests a version will be checked against (content, manifest, verdict manifest) are logged as run
-  parameters, which MLflow never lets anyone change; tags are conveniences for search and display.
+  parameters, which MLflow never lets anyone change; tags are conveniences for search and display (the digest
+  tags must agree with those parameters: pipeline/registry/releases.py).
+* A registration killed half-way converges on the next `register` / `kiln registry sync`: its RUNNING runs are
+  marked KILLED, and a version created without its alias gets it, recorded (`_complete`).
 * Only a passing verdict makes a `candidate`. A `not-run` verdict (a build-only engine: no runtime on the build
   host) registers with alias `built`. A failed artifact is refused unless `allow_failed`, and is then registered
   without an alias, its verdict tag `fail`, with a warning.
@@ -37,7 +40,8 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (canonical_json, identity_digest, manifest_path, read_manifest, verify_manifest,
                                write_json_atomic)
 from pipeline.registry.client import Registry, errors, redact, registered_name
-from pipeline.registry.releases import BUILT, CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, now, record_move
+from pipeline.registry.releases import (BUILT, CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, move_alias, moves,
+                                        now, settle)
 
 BENCH_FILE = "bench.json"
 RECORD_FILE = "build-record.json"
@@ -53,6 +57,7 @@ class Receipt:
     verdict: str
     manifest_xxh3_128: str
     validation_manifest_xxh3_128: str
+    repaired: bool = False    # an interrupted registration of this version was completed (its alias, its record)
 
     def content(self) -> dict[str, str]:
         """What was registered, by content only: identical in every registry and every clone."""
@@ -189,9 +194,13 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
     reg = Registry(cfg, root)
     with errors(reg.uri):
         with reg.lock(name):
+            settle(reg, name)
+            _end_killed_runs(reg, cfg, art)
             existing = reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = '{digest}'")
+            repaired = False
             if existing:
                 version, new = min(int(v.version) for v in existing), False
+                repaired = _complete(reg, name, art, version)
             else:
                 version, new = _log_and_register(reg, cfg, art, name, manifest, vmanifest, verdict, digest), True
     if new and verdict["verdict"] == "fail":
@@ -201,7 +210,43 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
         print(f"kiln: WARNING: {name} v{version} registered with a FAILED bench gate (--allow-failed); it has no "
               "alias", file=sys.stderr)
     return Receipt(name, version, digest, redact(reg.uri), new, verdict["verdict"], identity_digest(manifest),
-                   identity_digest(vmanifest))
+                   identity_digest(vmanifest), repaired)
+
+
+def _alias_for(verdict: str, bench_gate: str | None) -> str | None:
+    """The alias registration gives a new version: candidate if it passed, built if it could not run here."""
+    return None if bench_gate == "fail" else {"pass": CANDIDATE, "not-run": BUILT}.get(verdict)
+
+
+def _end_killed_runs(reg: Registry, cfg, art: Registrable) -> None:
+    """Registration runs of `art` still RUNNING belong to a killed kiln (registrations of one model hold its lock):
+    mark them KILLED, so the experiment shows no registration in progress."""
+    eid = reg.experiment_id(cfg.register.experiment)
+    quoted = art.name.replace("'", "\\'")
+    for run in reg.client.search_runs([eid], filter_string=f"attributes.run_name = '{quoted}' and "
+                                                           "attributes.status = 'RUNNING'", max_results=1000):
+        reg.client.set_terminated(run.info.run_id, "KILLED")
+
+
+def _complete(reg: Registry, name: str, art: Registrable, version: int) -> bool:
+    """A version whose registration was killed after it was created has no alias and no record of getting it: give
+    it the alias its registration would have (unless a newer version holds it already) and record it."""
+    mv = reg.version(name, version)
+    params = reg.client.get_run(mv.run_id).data.params if mv.run_id else {}
+    alias = _alias_for(params.get(PARAM + "verdict", ""), (mv.tags or {}).get("bench_gate"))
+    if alias is None:
+        return False
+    recorded = [m for m in moves(reg, name) if m.alias == alias]
+    if any(m.action == "register" and m.to_version == version for m in recorded):
+        return False
+    current = reg.aliases(name).get(alias)
+    if current is not None and current > version:
+        return False
+    previous = current if current != version else (recorded[-1].to_version if recorded else None)
+    move_alias(reg, AliasMove(name, alias, previous, version, "register", actor_name(), now(),
+                              f"registered {art.name} sha256 {str((mv.tags or {}).get('sha256'))[:12]}: completes an "
+                              "interrupted registration"))
+    return True
 
 
 def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest: dict, vmanifest: dict,
@@ -272,14 +317,9 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
     # = mlflow.register_model(f"models:/{model_id}", name, tags=tags), minus its global client and its chatter
     mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
     version = int(mv.version)
-    alias = {"pass": CANDIDATE, "not-run": BUILT}.get(verdict["verdict"])
-    if alias and art.tags.get("bench_gate") == "fail":         # registered with --allow-failed: no alias either
-        alias = None
-    if alias:
-        previous = reg.aliases(name).get(alias)
-        client.set_registered_model_alias(name, alias, str(version))
-        record_move(reg, AliasMove(name, alias, previous, version, "register", actor_name(), now(),
-                                   f"registered {art.name} sha256 {digest[:12]} (validation {verdict['verdict']})"))
+    if alias := _alias_for(verdict["verdict"], art.tags.get("bench_gate")):  # a failed bench gate: no alias either
+        move_alias(reg, AliasMove(name, alias, reg.aliases(name).get(alias), version, "register", actor_name(), now(),
+                                  f"registered {art.name} sha256 {digest[:12]} (validation {verdict['verdict']})"))
     return version
 
 

@@ -3,7 +3,11 @@
 * Every alias move (candidate on register, promote, rollback) is appended to the experiment `kiln-releases` as one
   run tagged with who, when, from, to, alias, action and reason — MLflow keeps no alias history — and moves of one
   model run under its registry lock, so concurrent promotes and rollbacks serialize and the history stays a
-  consistent stack (promote pushes, rollback pops).
+  consistent stack (promote pushes, rollback pops). A move is recorded before it is made and marked done after
+  (`move_alias`), so a kill at any point is completed or undone by the next command (`settle`).
+* A version is bound to what it was registered for: its registered name is its run's artifact's, its source the
+  logged model of that run, and what is downloaded comes from that model (`_binding`). Repointing a version's
+  source, run or storage location at another engine — an edit any registry user can make — is refused.
 * `promote` moves `production` only to a version whose *stored* artifacts prove it: the version's files are
   downloaded and checked against the stored manifest; the manifest, the stored validation.json and its manifest
   against the digests logged as the version's run parameters at registration (run parameters cannot be changed
@@ -67,43 +71,81 @@ def now() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- history
-def record_move(reg: Registry, move: AliasMove) -> AliasMove:
-    """Append one alias move to the releases experiment and stamp the target version with it."""
+# Record, then move: a move is first written as a RUNNING run of `kiln-releases` (its intent), then the alias is
+# set, then the version is stamped and the run marked FINISHED. A kill anywhere in between leaves an unfinished
+# intent that the next command on the model settles under its lock (`settle`): finished if the alias did move,
+# KILLED if it did not. History lists FINISHED moves only, so the alias and the history always agree.
+def _intend(reg: Registry, move: AliasMove) -> str:
     eid = reg.experiment_id(RELEASES_EXPERIMENT)
     tags = {"model": move.name, "alias": move.alias, "action": move.action, "to_version": str(move.to_version),
             "from_version": "" if move.from_version is None else str(move.from_version), "actor": move.actor,
             "at": move.at, "reason": move.reason}
     run = reg.client.create_run(eid, run_name=f"{move.action} {move.name}@{move.alias} → v{move.to_version}",
                                 tags=tags)
-    reg.client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def _finish(reg: Registry, move: AliasMove, run_id: str) -> None:
     for key, value in ((f"{move.alias}_at", move.at), (f"{move.alias}_by", move.actor),
-                       (f"{move.alias}_release_run", run.info.run_id)):
+                       (f"{move.alias}_release_run", run_id)):
         reg.client.set_model_version_tag(move.name, str(move.to_version), key, value)
+    reg.client.set_terminated(run_id, "FINISHED")                  # last: the move now counts as recorded
+
+
+def move_alias(reg: Registry, move: AliasMove) -> AliasMove:
+    """Move an alias and record it, so that a kill at any point leaves a state `settle` completes or undoes.
+    Call under the model's lock, after `settle`."""
+    run_id = _intend(reg, move)
+    reg.client.set_registered_model_alias(move.name, move.alias, str(move.to_version))
+    _finish(reg, move, run_id)
     return move
 
 
-def moves(reg: Registry, name: str) -> list[AliasMove]:
+def _runs(reg: Registry, name: str, status: str | None = None) -> list:
     exp = reg.client.get_experiment_by_name(RELEASES_EXPERIMENT)
     if exp is None:
         return []
     quoted = name.replace("'", "\\'")
+    query = f"tags.model = '{quoted}'" + (f" and attributes.status = '{status}'" if status else "")
     runs, token = [], None
     while True:
-        page = reg.client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{quoted}'",
-                                      max_results=1000, page_token=token)
+        page = reg.client.search_runs([exp.experiment_id], filter_string=query, max_results=1000, page_token=token)
         runs.extend(page)
         token = page.token
         if not token:
             break
+    return runs
+
+
+def _move_of(t: dict[str, str]) -> AliasMove:
+    return AliasMove(name=t["model"], alias=t["alias"], action=t.get("action", ""), actor=t.get("actor", ""),
+                     at=t.get("at", ""), reason=t.get("reason", ""), to_version=int(t["to_version"]),
+                     from_version=int(t["from_version"]) if t.get("from_version") else None)
+
+
+def settle(reg: Registry, name: str) -> int:
+    """Complete or undo the moves of `name` a killed kiln left unfinished; returns how many. Under the model's lock
+    (no live kiln has a move of it in flight then)."""
+    pending = [r for r in _runs(reg, name, "RUNNING") if "to_version" in r.data.tags]
+    if not pending:
+        return 0
+    current = reg.aliases(name)
+    for r in sorted(pending, key=lambda r: (r.data.tags.get("at", ""), r.info.start_time or 0)):
+        move = _move_of(r.data.tags)
+        if current.get(move.alias) == move.to_version:
+            _finish(reg, move, r.info.run_id)                       # the alias moved: the record completes
+        else:
+            reg.client.set_terminated(r.info.run_id, "KILLED")      # it never moved: not history
+    return len(pending)
+
+
+def moves(reg: Registry, name: str) -> list[AliasMove]:
     out = []
-    for r in runs:
+    for r in _runs(reg, name):
         t = r.data.tags
         if r.info.status != "FINISHED" or "to_version" not in t:
             continue
-        out.append((t.get("at", ""), r.info.start_time or 0, AliasMove(
-            name=t["model"], alias=t["alias"], action=t.get("action", ""), actor=t.get("actor", ""),
-            at=t.get("at", ""), reason=t.get("reason", ""), to_version=int(t["to_version"]),
-            from_version=int(t["from_version"]) if t.get("from_version") else None)))
+        out.append((t.get("at", ""), r.info.start_time or 0, _move_of(t)))
     return [m for _, _, m in sorted(out, key=lambda x: (x[0], x[1]))]
 
 
@@ -125,6 +167,9 @@ def history(cfg, name: str, root: Path = Path("."), alias: str | None = None) ->
     name = registered_name(cfg, name)
     reg = Registry(cfg, root)
     with errors(reg.uri):
+        if any("to_version" in r.data.tags for r in _runs(reg, name, "RUNNING")):   # a move in flight or killed
+            with reg.lock(name):
+                settle(reg, name)
         found = moves(reg, name)
     return [m for m in found if alias is None or m.alias == alias]
 
@@ -139,8 +184,9 @@ class Verified:
 
 
 def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Verified:
-    """Download a version into `dst` and prove it: files vs stored manifest, manifest and verdict vs the digests
-    logged as run parameters at registration. Any mismatch is a GateFailed naming the item."""
+    """Download a version into `dst` and prove it: that it is bound to what it was registered for (`_binding`),
+    files vs stored manifest, manifest and verdict vs the digests logged as run parameters at registration. Any
+    mismatch is a GateFailed naming the item."""
     import json
 
     from mlflow.artifacts import download_artifacts
@@ -151,10 +197,11 @@ def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Veri
     if missing := [k for k in need if PARAM + k not in params]:
         raise GateFailed(f"{name} v{version}: its run has no {PARAM}{missing[0]} parameter; it was not registered by "
                          "this kiln", "register the engine again with `kiln register` (or kiln registry sync)")
-    local = Path(download_artifacts(artifact_uri=f"models:/{name}/{version}", dst_path=str(dst),
+    model_id = _binding(reg, name, version, mv, params)
+    # from the logged model checked above, not the version's own storage location (a column of its own)
+    local = Path(download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=str(dst),
                                     tracking_uri=reg.engine_uri, registry_uri=reg.engine_uri))
     artifact = params[PARAM + "artifact"]
-    paths.slug(artifact, "stored artifact name")
     problems: list[str] = []
 
     def read(path: Path, what: str) -> dict[str, Any]:
@@ -165,6 +212,10 @@ def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Veri
                              "the artifact store was altered; do not ship it") from None
 
     manifest = read(manifest_path(local, artifact), "manifest")
+    if (manifest.get("name"), manifest.get("kind")) != (artifact, params.get(PARAM + "kind", manifest.get("kind"))):
+        raise GateFailed(f"{name} v{version}: the stored manifest describes {str(manifest.get('kind'))[:40]} "
+                         f"{str(manifest.get('name'))[:200]!r}, but the version was registered for {artifact!r}",
+                         _REBOUND)
     problems += check_files(manifest_path(local, artifact), manifest)
     from pipeline.registry.registration import artifact_digest
 
@@ -196,6 +247,45 @@ def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Veri
     return Verified(local, manifest, verdict, params)
 
 
+_REBOUND = ("do not ship it: the version was repointed at another artifact (an edit of its source or run); register "
+            "the intended engine again (kiln register) and promote that version")
+
+
+def _binding(reg: Registry, name: str, version: int, mv, params: dict[str, str]) -> str:
+    """The logged model a version is bound to, refused unless the binding is the one registration made: the
+    registered name is the run's artifact's, the version's source is a logged model whose source run is the
+    version's run, the registry downloads it from that model's location, and its digest tags are its run's."""
+    from mlflow.exceptions import MlflowException
+
+    artifact = params[PARAM + "artifact"]
+    paths.slug(artifact, "stored artifact name")
+    where = f"{name} v{version}"
+    if registered_name(None, artifact) != name:
+        raise GateFailed(f"{where}: its run {mv.run_id} registered {artifact[:200]!r}, which belongs to "
+                         f"{registered_name(None, artifact)}, not {name}", _REBOUND)
+    source = str(mv.source or "")
+    model_id = source.removeprefix("models:/")
+    if not source.startswith("models:/") or not model_id or "/" in model_id:
+        raise GateFailed(f"{where}: its source {source[:200]!r} is not the logged model kiln registered", _REBOUND)
+    try:
+        lm = reg.client.get_logged_model(model_id)
+    except MlflowException:
+        raise GateFailed(f"{where}: its source {source[:200]!r} names no logged model in this registry",
+                         _REBOUND) from None
+    if lm.source_run_id != mv.run_id:
+        raise GateFailed(f"{where}: its source {source[:200]} was logged by run {lm.source_run_id}, but the version "
+                         f"names run {mv.run_id}", _REBOUND)
+    if (at := reg.client.get_model_version_download_uri(name, str(version))) != lm.artifact_location:
+        raise GateFailed(f"{where}: the registry stores it at {str(at)[:200]}, not at its logged model's location "
+                         f"{str(lm.artifact_location)[:200]}", _REBOUND)
+    tags = mv.tags or {}
+    for tag, param in (("sha256", "sha256"), ("xxh3_128", "manifest_xxh3_128")):
+        if tags.get(tag) != params[PARAM + param]:
+            raise GateFailed(f"{where}: its {tag} tag {str(tags.get(tag))[:64]} is not its run's digest "
+                             f"{params[PARAM + param]}", _REBOUND)
+    return model_id
+
+
 def attached_verdicts(reg: Registry, name: str, version: int, manifest: dict[str, Any], dst: Path
                       ) -> list[tuple[str, dict[str, Any]]]:
     """Validations of this exact version made on another host (`kiln validate-release`), each verified against its
@@ -212,7 +302,7 @@ def attached_verdicts(reg: Registry, name: str, version: int, manifest: dict[str
     for run in reg.client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{name}'", max_results=1000):
         p = run.data.params
         if run.info.status != "FINISHED" or p.get(PARAM + "manifest_xxh3_128") != ident \
-                or p.get(PARAM + "version") != str(version):
+                or p.get(PARAM + "version") != str(version) or p.get(PARAM + "registered_model") != name:
             continue
         local = Path(download_artifacts(run_id=run.info.run_id, artifact_path=KILN_DIR, dst_path=str(dst / run.info
                                                                                                    .run_id),
@@ -281,11 +371,17 @@ def _move(reg: Registry, name: str, version: int, action: str, actor: str | None
     current = reg.aliases(name).get(PRODUCTION)
     who, at = actor_name(actor), now()
     if current == version:
-        return AliasMove(name, PRODUCTION, current, version, action, who, at, reason or "already production",
-                         changed=False)
-    reg.client.set_registered_model_alias(name, PRODUCTION, str(version))
-    return record_move(reg, AliasMove(name, PRODUCTION, current, version, action, who, at,
-                                      reason or f"{action} v{version}: {summary}"))
+        stack = production_stack(moves(reg, name))
+        if stack and stack[-1] == current:
+            return AliasMove(name, PRODUCTION, current, version, action, who, at, reason or "already production",
+                             changed=False)
+        # production was moved without a record (outside kiln, or by a kiln killed before this fix): record it, so
+        # the history agrees with the alias and rollback works again
+        return move_alias(reg, AliasMove(name, PRODUCTION, stack[-1] if stack else None, version, action, who, at,
+                                         reason or f"recorded: production was already v{version}, moved without a "
+                                                   f"record; {summary}"))
+    return move_alias(reg, AliasMove(name, PRODUCTION, current, version, action, who, at,
+                                     reason or f"{action} v{version}: {summary}"))
 
 
 def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: str | None = None,
@@ -300,6 +396,7 @@ def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: s
     with errors(reg.uri):
         reg.require_model(name)
         with reg.lock(name):
+            settle(reg, name)
             summary = check_version(reg, name, version)
             return _move(reg, name, version, "promote", actor, reason, summary)
 
@@ -312,6 +409,7 @@ def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
     with errors(reg.uri):
         reg.require_model(name)
         with reg.lock(name):
+            settle(reg, name)
             stack = production_stack(moves(reg, name))
             current = reg.aliases(name).get(PRODUCTION)
             if current is None:
@@ -320,7 +418,8 @@ def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
             if not stack or stack[-1] != current:
                 raise KilnError(f"{name}: production is v{current}, but the release history says "
                                 f"{'v' + str(stack[-1]) if stack else 'nothing'}; the alias was moved outside kiln",
-                                f"promote the intended version explicitly (kiln promote {name} VERSION)")
+                                f"record the current one with `kiln promote {name} {current}`, or promote the "
+                                f"intended version (kiln promote {name} VERSION)")
             if len(stack) < 2:
                 raise KilnError(f"{name}: v{current} is the first production version; there is no earlier one",
                                 f"promote a specific version instead (kiln promote {name} VERSION)")
@@ -330,5 +429,5 @@ def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
 
 
 __all__ = ["AliasMove", "BUILT", "CANDIDATE", "PRODUCTION", "RELEASES_EXPERIMENT", "VALIDATIONS_EXPERIMENT",
-           "attached_verdicts", "check_version", "download_verified", "fetch_release", "history", "promote",
-           "record_move", "redact", "rollback"]
+           "attached_verdicts", "check_version", "download_verified", "fetch_release", "history", "move_alias",
+           "promote", "redact", "rollback", "settle"]

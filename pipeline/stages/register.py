@@ -72,9 +72,12 @@ def sync(cfg, root: Path = Path("."), progress=print) -> list[reg.Receipt]:
             progress(f"registry sync: {name}: not registered: {e.message}")
             continue
         progress(f"registry sync: {name}: {'registered new version' if r.new else 'already registered as'} "
-                 f"{r.name} v{r.version}")
+                 f"{r.name} v{r.version}{_REPAIRED if r.repaired else ''}")
         out.append(r)
     return out
+
+
+_REPAIRED = "; its interrupted registration was completed (alias and history)"
 
 
 def print_receipt(label: str, r: reg.Receipt, run_: stage.Run) -> None:
@@ -82,6 +85,7 @@ def print_receipt(label: str, r: reg.Receipt, run_: stage.Run) -> None:
     state = "registered new version" if r.new else "already registered as version"
     alias = {"pass": ", alias candidate", "not-run": ", alias built: promotable once a host with the runtime "
              f"passes it (kiln validate-release {r.name} {r.version})"}.get(r.verdict, "") if r.new else ""
+    alias += _REPAIRED if r.repaired else ""
     print(f"{label}: {state} {r.name} v{r.version} (sha256 {r.sha256[:12]}…, validation {r.verdict}{alias}) "
           f"in {r.tracking_uri}")
 
