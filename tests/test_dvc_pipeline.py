@@ -24,8 +24,9 @@ from pipeline.stage import address, bare, dvc_files, read_locks
 
 TOOLCHAIN = "toolchain"        # the always-changed probe (toolchain/dvc.yaml); stage names below are bare names
 
-# Lock entries a rebuild cannot reproduce, and why (README: "What a fresh clone reproduces"). toolchain/dvc.lock is
-# not compared at all: it is the host's fingerprint (its CPU flags, compiler), probed on every run.
+# Lock entries a rebuild cannot reproduce, and why (docs/reproducibility.md: "A fresh clone at another path").
+# toolchain/dvc.lock is not compared at all: it is the host's fingerprint (its CPU flags, compiler), probed on
+# every run.
 NOT_REPRODUCIBLE = {
     "toolchain": "the host's fingerprint: its CPU flags, compilers and packages",
     "bench@": "timings of one run",
