@@ -11,19 +11,19 @@ import sys
 from pathlib import Path
 
 from pipeline import config, paths
-from pipeline.stages import bench
+from pipeline.gates import timing
 
 
 def main(model: str = "embedder") -> int:
     cfg = config.load(Path("params.yaml"))
-    result = bench.measure_model(cfg, model, progress=lambda line: print(line, file=sys.stderr))
+    result = timing.measure_model(cfg, model, progress=lambda line: print(line, file=sys.stderr))
     accuracy = {}
     for e in cfg.engines_of(model):
         v = paths.validation(e.name) / "validation.json"
         if v.is_file():
             m = json.loads(v.read_text())["metrics"]
             accuracy[e.name] = {"golden cos min": m["cosine_min"], "golden L2 max": m["l2_max"]}
-    print(bench.table(result.report, cfg.bench.batches, accuracy))
+    print(timing.table(result.report, cfg.bench.batches, accuracy))
     for k, v in result.report["ratios"].items():
         print(f"speed-up {k}: {v:.2f}×")
     for f in result.failures:

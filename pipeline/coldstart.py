@@ -30,7 +30,7 @@ def rss_mb() -> float:
 
 def main(target: str, engine_dir: str, shape: str, max_batch: str, kind: str, spawned_at: str | None = None) -> dict:
     from pipeline import engines, targets
-    from pipeline.targets.base import synthetic_feed
+    from pipeline.roles.registry import synthetic_feed
     t = targets.get(target)
     t_kiln = time.perf_counter()
     for module in t.runtime:

@@ -7,7 +7,7 @@ engines, recipes, targets) must be slugs (pipeline/paths.py). A target's own opt
 (`pipeline.targets.options`), which `kiln dag` does for every configured target before DVC runs anything.
 
 Stages receive this typed config; nothing downstream re-reads params.yaml or checks a value again. `raw` keeps the
-file's values as DVC reads them: manifests record the exact slice each stage tracks (pipeline/stage.py).
+file's values as DVC reads them: manifests record the exact slice each stage tracks (pipeline/stage.py `Stage.params`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pydantic.dataclasses import dataclass
 
 from pipeline.errors import KilnError
 from pipeline.paths import SLUG
+from pipeline.roles import registry as roles
 
 DEFAULT_PARAMS = Path("params.yaml")
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -35,8 +36,13 @@ Fraction = Annotated[Float, Field(ge=0, le=1)]
 NonNeg = Annotated[Float, Field(ge=0)]
 Count = Annotated[StrictInt, Field(ge=1)]
 Slug = Annotated[StrictStr, Field(pattern="^" + SLUG.pattern + "$")]
-SAMPLE_KINDS = ("chips", "pnet", "rnet", "onet", "aligner", "retinaface")
+SAMPLE_KINDS = roles.names()                    # a model's role: pipeline/roles/registry.py
 PRECISIONS = ("fp32", "fp16", "bf16", "int8")   # which a target builds: pipeline/targets/__init__.py
+
+
+def _kinds(task: str) -> str:
+    """The `samples` values of the roles whose graphs do `task` in a face system, for messages."""
+    return ", ".join(roles.with_task(task))
 
 
 def frozen(cls):
@@ -154,7 +160,7 @@ class ModelConfig:
     metric: Literal["l2", "cosine"] = "l2"
     preprocess: Optional[Preprocess] = None
     decode: Optional[Decode] = None                  # samples: retinaface (default Decode() when absent)
-    samples: Literal[SAMPLE_KINDS] = "chips"         # which inputs this graph sees (pipeline/samples.py)
+    samples: Literal[SAMPLE_KINDS] = "chips"         # its role: which inputs it sees, its gate (pipeline/roles/)
     dynamic: dict[StrictStr, tuple[Annotated[StrictInt, Field(ge=0)], ...]] = field(
         default_factory=lambda: {"input": (0,)})    # input name → dynamic axes of the exported graph
     parity_max_abs: Optional[NonNeg] = None         # overrides export.parity.max_abs for this graph's scale
@@ -171,9 +177,10 @@ class ModelConfig:
             raise ValueError("give the model exactly one source: `factory` (PyTorch) or `onnx` ({path, sha256})")
         if self.onnx is not None and self.weights is not None:
             raise ValueError("an ONNX model carries its weights: drop `weights` (the file is pinned by onnx.sha256)")
+        role = roles.get(self.samples)
         if self.preprocess is not None:
-            if self.samples != "chips":
-                raise ValueError("preprocess is for embedders (samples: chips)")
+            if role.task != "embed":
+                raise ValueError(f"preprocess is for embedders (samples: {_kinds('embed')})")
             size = self.preprocess.chip_size
             if self.input_shape != (3, size, size):
                 raise ValueError(f"input_shape {list(self.input_shape)} does not match preprocess.chip_size {size}: "
@@ -181,10 +188,10 @@ class ModelConfig:
         if self.layout == "nhwc" and (self.onnx is None or len(self.input_shape) != 3):
             raise ValueError("layout: nhwc is for models delivered as ONNX with an image input (input_shape "
                              "[C, H, W]); a PyTorch factory's input is NCHW")
-        if self.samples == "retinaface" and self.onnx is None:
-            raise ValueError("a retinaface detector comes from an ONNX file (`onnx: {path, sha256}`)")
-        if self.decode is not None and self.samples != "retinaface":
-            raise ValueError("decode is for single-shot detectors (samples: retinaface)")
+        if role.onnx_only and self.onnx is None:
+            raise ValueError(f"a {self.samples} detector comes from an ONNX file (`onnx: {{path, sha256}}`)")
+        if self.decode is not None and role.task != "detect":
+            raise ValueError(f"decode is for single-shot detectors (samples: {_kinds('detect')})")
         if self.metric == "cosine" and self.verify_threshold is not None and self.verify_threshold > 1:
             raise ValueError("a cosine verify_threshold is a similarity in (0, 1]")
         return self
@@ -220,7 +227,7 @@ CalibrationMethod = Annotated[StrictStr, Field(pattern=r"^(minmax|entropy|percen
 class CalibrateConfig:
     # Every candidate's ranges are computed (one streamed pass for min/max, one for the histograms); each candidate's
     # INT8 model (recipe `select_recipe`) is judged by the model's face-task gate and the best one is the calibration
-    # every recipe and target uses (pipeline/stages/calibrate.py). One candidate = that method, still judged.
+    # every recipe and target uses (pipeline/quant/selection.py). One candidate = that method, still judged.
     candidates: Annotated[tuple[CalibrationMethod, ...], Field(min_length=1)]
     select_recipe: Slug
     bins: Annotated[StrictInt, Field(ge=256)]
@@ -484,8 +491,14 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
     target registry (a target's name, what it compiles, its options) is checked by pipeline.targets.check, which
     `kiln dag` runs before DVC and every engine stage runs for its engine: so reading params never depends on the
     target modules, and adding a target does not stale every stage."""
+    return [*_check_recipes(p), *_check_model_lists(p), *_check_thresholds(p), *_check_engines(p),
+            *_check_matching(p), *_check_systems(p)]
+
+
+def _check_recipes(p: Params) -> list[tuple[str, str, str]]:
+    """Each recipe's models are quantized; calibrate.select_recipe names a plain full-INT8 recipe."""
     bad: list[tuple[str, str, str]] = []
-    models, recipes = set(p.models), set(p.quantize.recipes)
+    recipes = set(p.quantize.recipes)
     for name, r in p.quantize.recipes.items():
         for m in r.models or ():
             if m not in p.quantize.models:
@@ -498,6 +511,13 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
     elif p.quantize.recipes[sel].models is not None or p.quantize.recipes[sel].float_nodes:
         bad.append(("calibrate.select_recipe", f"recipe {sel!r} is scoped to some models or keeps nodes in float",
                     "judge calibrations with a plain full-INT8 recipe that applies to every model (e.g. ort)"))
+    return bad
+
+
+def _check_model_lists(p: Params) -> list[tuple[str, str, str]]:
+    """quantize.models and program.models name known models; program.models only PyTorch ones."""
+    bad: list[tuple[str, str, str]] = []
+    models = set(p.models)
     for key in ("quantize", "program"):
         for m in getattr(p, key).models:
             if m not in models:
@@ -506,41 +526,58 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
         if m in models and p.models[m].onnx is not None:
             bad.append(("program.models", f"{m!r} comes from an ONNX file: it has no PyTorch module to torch.export",
                         f"drop {m} from program.models (its engines compile from artifacts/export/{m})"))
+    return bad
+
+
+def _check_thresholds(p: Params) -> list[tuple[str, str, str]]:
+    """Every embedder has its verify_threshold."""
+    bad: list[tuple[str, str, str]] = []
     for name, m in p.models.items():
-        if m.samples == "chips" and m.verify_threshold is None:
-            bad.append((f"models.{name}.verify_threshold", "an embedder (samples: chips) needs its threshold",
+        if roles.get(m.samples).task == "embed" and m.verify_threshold is None:
+            bad.append((f"models.{name}.verify_threshold", f"an embedder (samples: {m.samples}) needs its threshold",
                         "e.g. verify_threshold: 0.6 (same person when L2 < 0.6)"))
-    for name, e in p.engines.items():
-        where = f"engines.{name}"
-        if e.model not in models:
-            bad.append((f"{where}.model", f"no model named {e.model!r}", f"known models: {', '.join(sorted(models))}"))
-            continue
-        if e.target not in p.targets:
-            bad.append((f"{where}.target", f"no target named {e.target!r}",
-                        f"configure it under targets: ({', '.join(p.targets)})"))
-            continue
-        if p.models[e.model].onnx is not None and e.source == f"artifacts/program/{e.model}":
-            bad.append((f"{where}.source", f"{e.model!r} comes from an ONNX file, so there is no torch.export program",
-                        f"use a target that compiles ONNX ({e.target} compiles programs), from artifacts/export/"
-                        f"{e.model}"))
-            continue
-        if e.precision == "int8" and e.source.rstrip("/") == f"artifacts/program/{e.model}":
-            continue                   # a program target's int8 is calibrated at compile (targets.check: no recipe)
-        if e.precision == "int8" and e.recipe not in recipes:
-            bad.append((f"{where}.recipe", f"int8 needs a quantization recipe, got {e.recipe!r}",
-                        f"name one of quantize.recipes: {', '.join(sorted(recipes))}"))
-            continue
-        if e.precision != "int8" and e.recipe is not None:
-            bad.append((f"{where}.recipe", f"only int8 engines take a recipe ({e.precision} given)", "drop `recipe:`"))
-            continue
-        if e.precision == "int8" and e.model not in p.quantize.models:
-            bad.append((f"{where}.model", f"{e.model!r} is not quantized (quantize.models)",
-                        f"add {e.model} to quantize.models"))
-            continue
-        if e.precision == "int8" and e.model not in (p.quantize.recipes[e.recipe].models or p.quantize.models):
-            bad.append((f"{where}.recipe", f"recipe {e.recipe!r} does not quantize {e.model!r} "
-                        f"(quantize.recipes.{e.recipe}.models)", f"add {e.model} to that recipe's models"))
-            continue
+    return bad
+
+
+def _check_engines(p: Params) -> list[tuple[str, str, str]]:
+    """The first problem of each engine (model, target, source, precision ↔ recipe ↔ quantize)."""
+    return [problem for name, e in p.engines.items() if (problem := _check_engine(p, name, e))]
+
+
+def _check_engine(p: Params, name: str, e: EngineSpec) -> tuple[str, str, str] | None:
+    """One engine's first problem, or None: its model and target exist, its source fits the model, and an int8
+    engine names a recipe that quantizes its model (a float one names none)."""
+    models, recipes = set(p.models), set(p.quantize.recipes)
+    where = f"engines.{name}"
+    if e.model not in models:
+        return (f"{where}.model", f"no model named {e.model!r}", f"known models: {', '.join(sorted(models))}")
+    if e.target not in p.targets:
+        return (f"{where}.target", f"no target named {e.target!r}",
+                f"configure it under targets: ({', '.join(p.targets)})")
+    if p.models[e.model].onnx is not None and e.source == f"artifacts/program/{e.model}":
+        return (f"{where}.source", f"{e.model!r} comes from an ONNX file, so there is no torch.export program",
+                f"use a target that compiles ONNX ({e.target} compiles programs), from artifacts/export/"
+                f"{e.model}")
+    if e.precision == "int8" and e.source.rstrip("/") == f"artifacts/program/{e.model}":
+        return None                    # a program target's int8 is calibrated at compile (targets.check: no recipe)
+    if e.precision == "int8" and e.recipe not in recipes:
+        return (f"{where}.recipe", f"int8 needs a quantization recipe, got {e.recipe!r}",
+                f"name one of quantize.recipes: {', '.join(sorted(recipes))}")
+    if e.precision != "int8" and e.recipe is not None:
+        return (f"{where}.recipe", f"only int8 engines take a recipe ({e.precision} given)", "drop `recipe:`")
+    if e.precision == "int8" and e.model not in p.quantize.models:
+        return (f"{where}.model", f"{e.model!r} is not quantized (quantize.models)",
+                f"add {e.model} to quantize.models")
+    if e.precision == "int8" and e.model not in (p.quantize.recipes[e.recipe].models or p.quantize.models):
+        return (f"{where}.recipe", f"recipe {e.recipe!r} does not quantize {e.model!r} "
+                f"(quantize.recipes.{e.recipe}.models)", f"add {e.model} to that recipe's models")
+    return None
+
+
+def _check_matching(p: Params) -> list[tuple[str, str, str]]:
+    """The matching sweep builds some index at every gallery size, each with enough training vectors, and the
+    gallery sizes are distinct."""
+    bad: list[tuple[str, str, str]] = []
     for size in p.matching.gallery_sizes:
         try:
             specs = p.matching.specs(size)
@@ -556,18 +593,26 @@ def _cross_check(p: Params) -> list[tuple[str, str, str]]:
                             f"{39 * sp.p['nlist']} training vectors", "lower nlist or nlist_per_sqrt_n"))
     if len(set(p.matching.gallery_sizes)) != len(p.matching.gallery_sizes):
         bad.append(("matching.gallery_sizes", "sizes must be distinct", "drop the repeated size"))
+    return bad
+
+
+def _check_systems(p: Params) -> list[tuple[str, str, str]]:
+    """Each system's detector (mtcnn or a detect model) and embedder resolve, and the face system's `embedder`
+    model exists."""
+    bad: list[tuple[str, str, str]] = []
     for name, sy in p.systems.items():
         det = p.models.get(sy.detector)
         if sy.detector == MTCNN:
             if missing := [n for n in ("pnet", "rnet", "onet") if n not in p.models]:
                 bad.append((f"systems.{name}.detector", f"the mtcnn cascade needs models {', '.join(missing)}",
                             "keep the MTCNN nets in models:"))
-        elif det is None or det.samples != "retinaface":
-            bad.append((f"systems.{name}.detector", f"{sy.detector!r} is neither `mtcnn` nor a retinaface model",
-                        "name `mtcnn` or a model with samples: retinaface"))
-        if sy.embedder not in p.models or p.models[sy.embedder].samples != "chips":
-            bad.append((f"systems.{name}.embedder", f"{sy.embedder!r} is not an embedder (samples: chips)",
-                        f"name one of: {', '.join(m for m, s in p.models.items() if s.samples == 'chips')}"))
+        elif det is None or roles.get(det.samples).task != "detect":
+            bad.append((f"systems.{name}.detector", f"{sy.detector!r} is neither `mtcnn` nor a {_kinds('detect')} "
+                        "model", f"name `mtcnn` or a model with samples: {_kinds('detect')}"))
+        if sy.embedder not in p.models or roles.get(p.models[sy.embedder].samples).task != "embed":
+            embedders = [m for m, s in p.models.items() if roles.get(s.samples).task == "embed"]
+            bad.append((f"systems.{name}.embedder", f"{sy.embedder!r} is not an embedder (samples: {_kinds('embed')})",
+                        f"name one of: {', '.join(embedders)}"))
     if "embedder" not in p.models:
         bad.append(("models", "the face system needs an `embedder` model", "see the repository's params.yaml"))
     return bad

@@ -25,7 +25,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from pipeline.config import Augment, DataConfig, SetSpec
 from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
-from pipeline.stage import address
+from pipeline.dvcfiles import address
 from pipeline.models.align import Aligner, align, chip_transform, jitter
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")

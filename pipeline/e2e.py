@@ -1,7 +1,7 @@
 """End to end: photo → faces → chips → embeddings → identities, on the built engines of one target.
 
 A system (params.yaml `systems:`) is a detector and an embedder. `dlib-mtcnn`: the MTCNN nets, the aligner graph
-and the dlib embedder; a `retinaface` detector is one single-shot graph (pipeline/models/retinaface.py decodes it).
+and the dlib embedder; a single-shot detector (`retinaface`) is one graph, decoded by its role (pipeline/roles/).
 The graphs run as compiled engines through the target protocol, each loaded only after its files verify against
 its manifest (pipeline/engines.py); only the glue between them (pyramid, anchors, NMS, box maths, the
 landmark→template fit) is numpy. An embedder with its own chip geometry (models.<m>.preprocess) has no aligner
@@ -24,16 +24,17 @@ from typing import Callable
 import numpy as np
 
 from pipeline import engines, paths, samples
-from pipeline.stage import address
+from pipeline.dvcfiles import address
 from pipeline.config import MTCNN, Config
 from pipeline.data import load_set
 from pipeline.errors import KilnError
-from pipeline.facemetrics import as_l2
-from pipeline.models import mtcnn, retinaface
+from pipeline.vectors import as_l2
+from pipeline.models import mtcnn
 from pipeline.models.align import align as reference_warp
 from pipeline.models.align import chip_transform
+from pipeline.roles import registry as roles
+from pipeline.samples import NETS           # the MTCNN cascade's models
 
-NETS = ("pnet", "rnet", "onet")
 GRAPHS = (*NETS, "aligner", "embedder")
 STAGES = (*NETS, "detect_glue", "align", "embed", "match")
 DEFAULT_SYSTEM = "dlib-mtcnn"
@@ -215,10 +216,9 @@ class System:
         t0 = time.perf_counter()
         if spec.detector == MTCNN:
             faces = mtcnn.detect(rgb, *nets, mtcnn.DetectorConfig(min_face_size=data.min_face_size))
-        else:
-            decode = self.cfg.model(spec.detector).decode
-            faces = retinaface.detect(rgb, nets[0], retinaface.DecodeConfig(**({} if decode is None else {
-                "score_threshold": decode.score_threshold, "nms_threshold": decode.nms_threshold})))
+        else:       # a single-shot detector: its role decodes it
+            dcfg = self.cfg.model(spec.detector)
+            faces = roles.get(dcfg.samples).detect(rgb, nets[0], dcfg)
         # pyramid / anchors, crops, NMS and box maths: the detector's wall time minus what its nets took
         self.timings["detect_glue"] += (time.perf_counter() - t0) * 1e3 - (sum(self.timings[s] for s in names) -
                                                                           in_nets)

@@ -41,14 +41,14 @@ def load(target_name: str, engine_dir: Path, name: str | None = None):
         src = engine_dir / rel
         if src.is_symlink() or not src.is_file():
             tmp.cleanup()
-            from pipeline.stage import address      # only for the hint: a cold start does not import the stage tools
+            from pipeline.dvcfiles import address   # only for the hint: a cold start does not import the stage tools
             raise KilnError(f"{src}: missing or not a regular file",
                             f"rebuild the engine (dvc repro -f {address(f'compile@{name}')})")
         shutil.copyfile(src, private / rel)
     shutil.copyfile(mpath, private / mpath.name)
     if problems := check_files(private / mpath.name, manifest, fast=True):
         tmp.cleanup()
-        from pipeline.stage import address
+        from pipeline.dvcfiles import address
         raise KilnError(f"{engine_dir}: engine files do not match their manifest: " + "; ".join(
             p.replace(str(private), str(engine_dir)) for p in problems[:3]),
             "refusing to load it (loading an engine runs native code); rebuild it "

@@ -174,6 +174,12 @@ def identity_digest(manifest: dict[str, Any]) -> str:
     return xxh3_128_hex(canonical_json(manifest))
 
 
+def artifact_digest(manifest: dict[str, Any]) -> str:
+    """sha256 over the sorted (path, sha256) pairs of the manifest's files: the artifact's content identity."""
+    pairs = sorted([f["path"], f["sha256"]] for f in manifest["files"])
+    return hashlib.sha256(canonical_json(pairs)).hexdigest()
+
+
 def build_manifest(*, kind: str, name: str, directory: Path, files: list[Path], inputs: list[dict[str, Any]],
                    toolchain: dict[str, Any], build: dict[str, Any], code: dict[str, str], params: dict[str, Any],
                    results: dict[str, Any] | None = None, model: str | None = None, target: str | None = None,

@@ -73,10 +73,11 @@ def search(cfg, model: str, recipe_name: str, root: Path = Path("."), max_float:
     import onnx
 
     from pipeline.compare import compare
+    from pipeline.gates.evaluate import OnnxRunner, evaluate_model
+    from pipeline.quant.calibration import preprocess, quantizable_op_types
+    from pipeline.quant.qdq import load_ranges, quantize_graph
+    from pipeline.roles import registry as roles
     from pipeline.samples import stream
-    from pipeline.stages.calibrate import preprocess, quantizable_op_types
-    from pipeline.stages.quantize import load_ranges, quantize_graph
-    from pipeline.stages.validate import KEY_METRIC, OnnxRunner, evaluate_model
 
     if model not in cfg.quantize.models:
         raise KilnError(f"{cfg.source}: {model!r} is not in quantize.models", "quantize it first")
@@ -89,7 +90,8 @@ def search(cfg, model: str, recipe_name: str, root: Path = Path("."), max_float:
     export_dir, cal_dir = paths.export(model, root), paths.calibration(model, root)
     read_verified(manifest_path(export_dir, model))
     read_verified(manifest_path(cal_dir, model))
-    metric, sign = KEY_METRIC[cfg.model(model).samples]
+    role = roles.get(cfg.model(model).samples)
+    metric, sign = role.key_metric, role.direction
 
     with tempfile.TemporaryDirectory(prefix="kiln-mixed-") as tmp:
         work = Path(tmp)

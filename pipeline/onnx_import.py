@@ -1,6 +1,6 @@
 """A user's ONNX model → the FP32 graph every target compiles: verified, made runnable, weights folded, checked.
 
-Pure functions on `onnx.ModelProto` (the import@<model> stage, pipeline/stages/imports.py, is the thin shell):
+Pure functions on `onnx.ModelProto` (the import@<model> stage, pipeline/stages/import_.py, is the thin shell):
 
 * `verify_source`  the file is a regular file with the sha256 pinned in params.yaml, every external-data file it
                    reads is pinned too (models.<m>.onnx.external), and it passes `onnx.checker`;
@@ -39,6 +39,7 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from pipeline.errors import KilnError
+from pipeline.roles import registry as roles
 
 # ops evaluated once at import when every input is a constant (weights): shape/format ops and weight dequantization
 FOLDABLE = ("DequantizeLinear", "Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Identity", "Flatten",
@@ -46,10 +47,6 @@ FOLDABLE = ("DequantizeLinear", "Reshape", "Transpose", "Cast", "Unsqueeze", "Sq
 QUANT_OPS = ("QuantizeLinear", "DequantizeLinear", "QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger",
              "DynamicQuantizeLinear")
 MIN_OPSET = 13          # below this, per-channel QDQ (quantize@) is not expressible; older graphs are converted up
-# outputs a role needs: how many (None: at least one) and their rank
-ROLE_OUTPUTS = {"chips": (None, 2, "an embedder's first output must be rank 2 (batch, dimension)"),
-                "retinaface": (3, 3, "a RetinaFace detector has 3 outputs of rank 3: loc (batch, anchors, 4), conf "
-                                     "(…, 2), landmarks (…, 10)")}
 
 
 def hint_for(model: str) -> str:
@@ -452,13 +449,9 @@ def check_io(proto: onnx.ModelProto, mcfg, source: str, layout: str | None = Non
                                                                    if layout == "nhwc" else ""),
                         f"set models.{name}.input_shape (and preprocess.chip_size) to the model's input size")
     outs = {o.name: _dims(o) for o in g.output}
-    if mcfg.samples in ROLE_OUTPUTS:
-        count, rank, what = ROLE_OUTPUTS[mcfg.samples]
-        ranks = [len(d) for d in outs.values()]
-        if not ranks or (count is not None and len(ranks) != count) or \
-                any(r != rank for r in (ranks if count else ranks[:1])):
-            raise KilnError(f"{source}: model {name!r} outputs {outs}: {what}",
-                            f"import the right outputs, or check models.{name}.samples")
+    if what := roles.get(mcfg.samples).check_outputs([len(d) for d in outs.values()]):   # the outputs its role needs
+        raise KilnError(f"{source}: model {name!r} outputs {outs}: {what}",
+                        f"import the right outputs, or check models.{name}.samples")
     return {"inputs": {g.input[0].name: dims}, "outputs": outs}
 
 

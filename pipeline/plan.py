@@ -63,11 +63,12 @@ def _inputs_changed(changes: list) -> bool:
 
 
 def plan(cfg, root: Path = Path("."), remote: bool = True) -> list[Row]:
-    from pipeline import stage, targets
+    from pipeline import targets
+    from pipeline.dvcfiles import bare, read_locks
 
     root = Path(root)
-    lock = stage.read_locks(root)
-    stale = {stage.bare(a) for a, changes in _dvc(root, "status").items() if _inputs_changed(changes)}
+    lock = read_locks(root)
+    stale = {bare(a) for a, changes in _dvc(root, "status").items() if _inputs_changed(changes)}
     cloud = _dvc(root, "status", "--cloud") if remote else {}
     probes: dict[str, bool] = {}
     rows = []

@@ -307,7 +307,7 @@ class _Walker:
 def _stage_outs(root: Path) -> dict[str, str]:
     import yaml
 
-    from pipeline.stage import read_locks
+    from pipeline.dvcfiles import read_locks
 
     try:
         lock = read_locks(root)
@@ -321,13 +321,14 @@ def _stage_outs(root: Path) -> dict[str, str]:
 
 
 def _read_record(stage: str, root: Path) -> dict | None:
-    from pipeline.stage import read_record
+    from pipeline.records import read_record
 
     return read_record(stage, root)
 
 
 def _code_drift(code: dict[str, str]) -> list[str]:
-    from pipeline.stage import REPO, code_digests
+    from pipeline.checkout import REPO
+    from pipeline.closure import code_digests
 
     present = [m for m in code if (REPO / m).is_file()]
     now = code_digests(present)

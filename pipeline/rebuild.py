@@ -80,7 +80,7 @@ def classify(cfg, stage_name: str, root: Path = Path(".")) -> dict:
         elif group != "compile":
             result["class"] = CLASSES[-1]
         else:
-            from pipeline.stages import validate
+            from pipeline.gates.evaluate import evaluate
 
             built, rebuilt = paths.engine(key, root), paths.engine(key, other)
             result["max_abs"] = engine_max_abs(cfg, key, built, rebuilt, root)
@@ -88,7 +88,7 @@ def classify(cfg, stage_name: str, root: Path = Path(".")) -> dict:
                 result["class"] = CLASSES[1]
             else:
                 runner = engines.load(cfg.engine(key).target, rebuilt, key)
-                _, failures, _, _ = validate.evaluate(cfg, key, runner, root)
+                _, failures, _, _ = evaluate(cfg, key, runner, root)
                 result["gate_failures"] = failures
                 result["class"] = CLASSES[2] if not failures else CLASSES[3]
     result["meets_claim"] = CLASSES.index(result["class"]) <= CLASSES.index(result["claim"])

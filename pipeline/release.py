@@ -72,7 +72,7 @@ class Release:
 
 # ---------------------------------------------------------------------------------------------- keys
 def _outside_repo(path: Path, what: str) -> Path:
-    from pipeline.stage import REPO
+    from pipeline.checkout import REPO
 
     p = Path(path).expanduser().resolve()
     repo = REPO.resolve()
@@ -231,7 +231,7 @@ def _portable(node: Any) -> Any:
 
 
 def _lockfiles() -> dict[str, str]:
-    from pipeline.stage import REPO
+    from pipeline.checkout import REPO
 
     found = [*(REPO / "lockfiles").glob("*.in"), *(REPO / "lockfiles").glob("*.txt")]
     return {p.relative_to(REPO).as_posix(): sha256_file(p) for p in sorted(found) if p.is_file()}
@@ -611,7 +611,7 @@ def _check_content(tree: Path, signed_name: str) -> list[str]:
     ident = identity_digest(manifest)
     if ident != doc.get("manifest_xxh3_128"):
         raise fail(doc["manifest"], f"identity {ident}, release.json says {doc.get('manifest_xxh3_128')}")
-    from pipeline.registry.registration import artifact_digest
+    from pipeline.manifest import artifact_digest
 
     if artifact_digest(manifest) != doc.get("artifact_sha256"):
         raise fail(doc["manifest"], "content digest differs from the registered one in release.json")

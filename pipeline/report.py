@@ -41,8 +41,7 @@ class Report:
 
 # ---------------------------------------------------------------------------------------------- collecting
 def for_workspace(cfg, root: Path = Path(".")) -> Report:
-    from pipeline import provenance
-    from pipeline.stages import leaderboard
+    from pipeline import leaderboard, provenance
 
     root = Path(root)
     rows, _ = leaderboard.rows(cfg, root)
@@ -76,7 +75,7 @@ def for_workspace(cfg, root: Path = Path(".")) -> Report:
 
 def for_release(cfg, tree: Path) -> Report:
     """From a release tree only (release.json, engine/, chain/): deterministic like the archive itself."""
-    from pipeline.stages.leaderboard import ACCURACY
+    from pipeline.roles import registry as roles
 
     doc = json.loads((tree / "release.json").read_text())
     manifest = read_manifest(tree / doc["manifest"])
@@ -87,7 +86,8 @@ def for_release(cfg, tree: Path) -> Report:
         metric, label = "recall@1", "recall@1"
     else:
         try:
-            metric, label = ACCURACY[cfg.model(model).samples]
+            role = roles.get(cfg.model(model).samples)
+            metric, label = role.key_metric, role.accuracy_label
         except Exception:  # noqa: BLE001 — a model this params.yaml no longer has: the verdict's first metric
             metric = next(iter(verdict.get("metrics") or {"accuracy": None}))
             label = metric

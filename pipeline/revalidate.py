@@ -7,7 +7,7 @@ verdict `not-run` and alias `built`) — the GPU leg of a CI matrix:
    registration; pipeline/registry/releases.py), then refuse early if this host cannot run it either;
 2. check that this checkout's golden reference is the one the build host used (the stored validation manifest
    names its identity digest): a verdict against other goldens would not be comparable;
-3. gate it on the face task exactly as validate@ does (pipeline/stages/validate.py `judge`: the engine files are
+3. gate it on the face task exactly as validate@ does (pipeline/gates/verdict.py `judge`: the engine files are
    verified again before they are loaded — loading an engine runs native code);
 4. log the new validation.json and its manifest as a run of the experiment `kiln-validations`, with the version,
    the engine's identity digest and the validation manifest's digest as run parameters (immutable), and the host
@@ -65,7 +65,8 @@ def run(cfg, name: str, version: int, root: Path = Path(".")) -> Revalidation:
     from pipeline.registry.client import Registry, errors, registered_name
     from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, VALIDATIONS_EXPERIMENT, AliasMove, actor_name,
                                             download_verified, move_alias, now, settle)
-    from pipeline.stages import validate
+    from pipeline import dag
+    from pipeline.gates.verdict import judge
 
     name = registered_name(cfg, name)
     root = Path(root)
@@ -90,7 +91,7 @@ def run(cfg, name: str, version: int, root: Path = Path(".")) -> Revalidation:
         _golden_check(vm, cfg, spec.model, root, f"{name} v{version}")
         ref = {"role": "engine", "manifest": f"models:/{name}/{version}", "xxh3_128": identity_digest(m)}
         out = Path(tmp) / "validation"
-        verdict = validate.judge(cfg, artifact, v.directory, ref, out, root)
+        verdict = judge(cfg, artifact, v.directory, ref, out, root, declaration=dag.find("validate"))
         new_vm = read_verified(manifest_path(out, artifact))
         probe = targets.get(spec.target).probe()
         client = reg.client

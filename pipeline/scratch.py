@@ -14,13 +14,20 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline import paths, stage
+from pipeline import paths
+from pipeline.checkout import cli_env
+from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import file_digests, read_manifest
+from pipeline.toolchain import PYTHON_TOOLCHAIN
+
+if TYPE_CHECKING:
+    from pipeline.stage import Stage
 
 
-def rebuild(spec: stage.Stage, cfg, key: str | None, root: Path = Path("."),
+def rebuild(spec: Stage, cfg, key: str | None, root: Path = Path("."),
             args: tuple[str, ...] = ()) -> tempfile.TemporaryDirectory:
     """Run `spec`'s command for `key` in a fresh scratch root; return it (the caller cleans it up)."""
     root = Path(root).resolve()
@@ -28,7 +35,7 @@ def rebuild(spec: stage.Stage, cfg, key: str | None, root: Path = Path("."),
     scratch = Path(tmp.name)
     try:
         shutil.copyfile(cfg.source, scratch / "params.yaml")
-        needed = [*(paths.toolchain_file(t) for t in spec.targets(cfg, key)), Path(stage.PYTHON_TOOLCHAIN)]
+        needed = [*(paths.toolchain_file(t) for t in spec.targets(cfg, key)), Path(PYTHON_TOOLCHAIN)]
         for rel in needed:
             if (root / rel).is_file():
                 (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -37,11 +44,11 @@ def rebuild(spec: stage.Stage, cfg, key: str | None, root: Path = Path("."),
             src, dst = root / dep, scratch / dep
             if not src.exists():
                 raise KilnError(f"{src}: input of {spec.name(key)} missing",
-                                f"build it first: dvc repro {stage.address(spec.name(key))}")
+                                f"build it first: dvc repro {address(spec.name(key))}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(src, dst)
         cmd = [sys.executable, "-m", spec.module, "--params", "params.yaml", *args, *([key] if key else [])]
-        r = subprocess.run(cmd, cwd=scratch, env=stage.cli_env(), capture_output=True, text=True)
+        r = subprocess.run(cmd, cwd=scratch, env=cli_env(), capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["?"])
             raise KilnError(f"{spec.name(key)}: the rebuild in a fresh process failed: {last[-1][:300]}",

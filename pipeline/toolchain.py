@@ -1,8 +1,10 @@
-"""What built an artifact: package versions (identity) and the host it ran on (record).
+"""What built an artifact: package versions and target fingerprints (identity), and the host it ran on (record).
 
 Versions of the packages a stage imports are rebuild keys, so they go into manifests; the Python version counts as
 major.minor. The CPU's ISA flags select different kernels in ONNX Runtime, oneDNN and Inductor, so targets that
-compile for this CPU make them rebuild keys too. The CPU's model name and the host name are only recorded.
+compile for this CPU make them rebuild keys too. The CPU's model name and the host name are only recorded. The
+toolchain stage writes each target's fingerprint (artifacts/toolchain/<target>.yaml, whose `rebuild_on` keys a
+stage that compiles for the target tracks) and the Python package versions (artifacts/toolchain/python.yaml).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import platform
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
+
+PYTHON_TOOLCHAIN = "artifacts/toolchain/python.yaml"          # the toolchain stage's package versions
 
 # ISA extensions that select different INT8 / FP32 kernels in ONNX Runtime, oneDNN and Inductor.
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni",
@@ -82,3 +87,19 @@ def cached(key: list, compute) -> dict | list:
     if not (isinstance(value, dict) and "error" in value):
         write_json_atomic(path, value)
     return value
+
+
+def read_fingerprint(target: str, root: Path = Path(".")) -> dict[str, Any]:
+    """artifacts/toolchain/<target>.yaml, written by the toolchain stage."""
+    import yaml
+
+    from pipeline import paths
+    from pipeline.errors import KilnError
+
+    path = paths.toolchain_file(target, root)
+    if not path.is_file():
+        raise KilnError(f"{path}: toolchain fingerprint missing", "run `kiln toolchain` (the toolchain stage) first")
+    doc = yaml.safe_load(path.read_text())
+    if not isinstance(doc, dict) or not isinstance(doc.get("rebuild_on"), dict):
+        raise KilnError(f"{path}: not a toolchain fingerprint", "rerun `kiln toolchain`")
+    return doc

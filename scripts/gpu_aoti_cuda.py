@@ -29,7 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline import facemetrics, tables  # noqa: E402  (numpy; tabulate)
+from pipeline import tables  # noqa: E402  (tabulate)
+from pipeline.gates import facemetrics  # noqa: E402  (numpy)
 
 
 def device_info(torch, device: str) -> dict:

@@ -60,12 +60,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline import mixed, paths
     from pipeline.config import load
-    from pipeline.stages.calibrate import preprocess
-    from pipeline.stages.quantize import load_ranges, quantize_graph
-    from pipeline.stages.validate import KEY_METRIC
+    from pipeline.quant.calibration import preprocess
+    from pipeline.quant.qdq import load_ranges, quantize_graph
+    from pipeline.roles import registry as roles
 
     cfg = load(REPO / "params.yaml")
-    metric, _ = KEY_METRIC[cfg.model(args.model).samples]
+    metric = roles.get(cfg.model(args.model).samples).key_metric
     # an unreachable floor: the greedy search judges every prefix of the ranking instead of stopping at a pass
     if metric != "cosine_min":
         raise SystemExit(f"{args.model}: the curve is for embedders (golden cosine); use `kiln mixed` for the others")

@@ -16,7 +16,7 @@ from pipeline import config, paths, targets
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fingerprint, program, validate
+from pipeline.stages import toolchain as toolchain_stage, program, validate
 from pipeline.targets.aoti import BUILD_ROOT, PACKAGE_FILE
 from conftest import REPO
 from conftest import write_params as _write
@@ -26,8 +26,8 @@ ENGINE = "embedder-aoti-cpu-fp32"
 
 # ---------------------------------------------------------------------------------------------- probe
 def test_probe_records_torch_compiler_and_flags(tmp_path):
-    tc = fingerprint.probe("aoti-cpu")
-    path, changed = fingerprint.write("aoti-cpu", tc, tmp_path)
+    tc = toolchain_stage.probe("aoti-cpu")
+    path, changed = toolchain_stage.write("aoti-cpu", tc, tmp_path)
     doc = yaml.safe_load(path.read_text())
     assert changed and tc.available and doc["available"] is True and "info" not in doc   # host facts: the record
     r = doc["rebuild_on"]
@@ -37,7 +37,7 @@ def test_probe_records_torch_compiler_and_flags(tmp_path):
     assert tc.info["cxx_path"].startswith("/") and "cpp_builder" in tc.info["flags_source"]
     assert "torch" in tc.info["libraries"]
     assert tc.line().startswith("aoti-cpu: available (torch ")
-    assert fingerprint.write("aoti-cpu", tc, tmp_path) == (path, False)      # unchanged → not rewritten
+    assert toolchain_stage.write("aoti-cpu", tc, tmp_path) == (path, False)      # unchanged → not rewritten
 
 
 def test_target_declares_its_source_kind():
@@ -71,7 +71,7 @@ def test_program_stage_writes_a_loadable_program(program_dir, built, cfg):
 # ---------------------------------------------------------------------------------------------- one real compile
 @pytest.mark.slow
 def test_compiled_package_loads_matches_golden_and_verifies(program_dir, built, cfg):
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
     r = compile_stage.run(cfg, ENGINE, built)          # the one AOTInductor compile of the suite (20–50 s)
     engine = paths.engine(ENGINE, built)
     import os

@@ -15,6 +15,7 @@ from pipeline import paths
 from pipeline.data import load_set
 from pipeline.errors import KilnError
 from pipeline.manifest import identity_digest, read_manifest, verify_manifest
+from pipeline.quant import calibration, qdq, selection
 from pipeline.stages import calibrate, quantize
 
 SUBSET = 32   # chips for the tests that compare calibration variants (the point holds on any subset)
@@ -57,15 +58,15 @@ def test_entropy_threshold_ignores_outliers_of_a_gaussian(seed):
     rng = np.random.default_rng(seed)
     x = np.concatenate([rng.normal(0, 1, 200_000), rng.choice([-1, 1], 40) * rng.uniform(20, 40, 40)])
     hist, amax = _abs_hist(x, 2048)
-    t = calibrate.entropy_threshold(hist, amax)
+    t = calibration.entropy_threshold(hist, amax)
     assert 3.5 < t < 0.2 * amax, (t, amax)            # keeps the bulk (max |N(0,1)| ≈ 4.5), drops the outliers
-    assert calibrate.percentile_threshold(hist, amax, 99.99) > 0.5 * amax   # outliers are 0.02 %: percentile keeps them
+    assert calibration.percentile_threshold(hist, amax, 99.99) > 0.5 * amax   # outliers are 0.02 %: percentile keeps them
 
 
 def test_entropy_keeps_the_range_of_a_uniform_distribution():
     x = np.random.default_rng(1).uniform(-5, 5, 100_000)
     hist, amax = _abs_hist(x, 2048)
-    assert calibrate.entropy_threshold(hist, amax) > 0.9 * amax
+    assert calibration.entropy_threshold(hist, amax) > 0.9 * amax
 
 
 def test_entropy_ignores_the_zeros_of_a_relu(cfg):
@@ -73,18 +74,18 @@ def test_entropy_ignores_the_zeros_of_a_relu(cfg):
     rng = np.random.default_rng(4)
     x = np.maximum(rng.normal(0, 1, 200_000), 0)
     hist, amax = _abs_hist(x, 2048)
-    assert calibrate.threshold("entropy", hist, int(np.sum(x == 0)), amax) > 3.0      # σ = 1: keeps all but the far tail
+    assert calibration.threshold("entropy", hist, int(np.sum(x == 0)), amax) > 3.0      # σ = 1: keeps all but the far tail
     # the failure the exclusion avoids: with the zeros in, KL clips ~5 % of the positive values
-    assert calibrate.entropy_threshold(hist, amax, max_clipped=None) < 2.5
+    assert calibration.entropy_threshold(hist, amax, max_clipped=None) < 2.5
 
 
 def test_entropy_does_not_clip_a_distribution_away_from_zero():
     """A global-average-pool output: all values in ~[0.4, 2.3]. KL alone would clip almost all of them."""
     x = np.random.default_rng(5).gamma(8, 0.14, 100_000) + 0.3
     hist, amax = _abs_hist(x, 2048)
-    t = calibrate.entropy_threshold(hist, amax)
-    assert np.mean(x > t) <= calibrate.MAX_CLIPPED + 1e-4, (t, amax)
-    assert calibrate.entropy_threshold(hist, amax, max_clipped=None) < np.percentile(x, 50)   # without the guard
+    t = calibration.entropy_threshold(hist, amax)
+    assert np.mean(x > t) <= calibration.MAX_CLIPPED + 1e-4, (t, amax)
+    assert calibration.entropy_threshold(hist, amax, max_clipped=None) < np.percentile(x, 50)   # without the guard
 
 
 @pytest.mark.parametrize("eps", [1e-4, None])
@@ -92,7 +93,7 @@ def test_closed_form_kl_equals_the_reference_loop(eps):
     rng = np.random.default_rng(2)
     x = np.concatenate([rng.normal(0, 1, 20_000), rng.exponential(6, 30), rng.uniform(20, 40, 10)])
     hist, _ = _abs_hist(x, 400)
-    fast, slow = calibrate.entropy_divergences(hist, eps=eps, max_clipped=None), _kl_reference(hist, eps=eps)
+    fast, slow = calibration.entropy_divergences(hist, eps=eps, max_clipped=None), _kl_reference(hist, eps=eps)
     assert np.array_equal(np.isfinite(fast), np.isfinite(slow))
     finite = np.isfinite(slow)
     np.testing.assert_allclose(fast[finite], slow[finite], rtol=0, atol=1e-9)
@@ -102,8 +103,8 @@ def test_closed_form_kl_equals_the_reference_loop(eps):
 def test_percentile_range_of_a_non_negative_tensor_starts_at_zero():
     x = np.random.default_rng(3).exponential(1, 50_000)
     hist, amax = _abs_hist(x, 2048)
-    t = calibrate.percentile_threshold(hist, amax, 99.0)
-    lo, hi = calibrate.clip_range(0.0, amax, t)
+    t = calibration.percentile_threshold(hist, amax, 99.0)
+    lo, hi = calibration.clip_range(0.0, amax, t)
     assert lo == 0.0 and hi == pytest.approx(np.percentile(x, 99.0), rel=0.01)
 
 
@@ -116,7 +117,7 @@ def calibrated(built, cfg):
 @pytest.fixture(scope="module")
 def preprocessed(built, tmp_path_factory):
     pre = tmp_path_factory.mktemp("pre") / "pre.onnx"
-    calibrate.preprocess(paths.export("embedder", built) / "model.onnx", pre)
+    calibration.preprocess(paths.export("embedder", built) / "model.onnx", pre)
     return pre
 
 
@@ -143,13 +144,13 @@ def test_calibration_artifact_records_ranges_and_provenance(calibrated, built, c
             mm = ranges["minmax"][name]
             assert mm["min"] <= r["min"] <= r["max"] <= mm["max"], (method, name)
         # a histogram method really moves ranges: not silently min/max
-        assert (calibrate.differs(cand, ranges["minmax"]) / len(cand) > 0.5) == (method != "minmax"), method
+        assert (calibration.differs(cand, ranges["minmax"]) / len(cand) > 0.5) == (method != "minmax"), method
 
 
 def test_the_calibration_is_chosen_by_the_face_task_gate_and_every_result_is_kept(calibrated, built, cfg):
     """Every candidate is judged and recorded; the chosen one is the rule's best; its numbers are the gate's own
     numbers for the INT8 model quantize@ builds from it (the same ranges, the same recipe)."""
-    from pipeline.stages.validate import KEY_METRIC, OnnxRunner, evaluate_model
+    from pipeline.gates.evaluate import KEY_METRIC, OnnxRunner, evaluate_model
 
     d = paths.calibration("embedder", built)
     sel = json.loads((d / "selection.json").read_text())
@@ -157,7 +158,7 @@ def test_the_calibration_is_chosen_by_the_face_task_gate_and_every_result_is_kep
                                                                                        calibrated.trials]
     metric, sign = KEY_METRIC["chips"]
     assert sel["metric"] == metric and sel["recipe"] == cfg.calibrate.select_recipe
-    assert sel["chosen"] == calibrated.method == calibrate.choose(calibrated.trials, metric, sign).method
+    assert sel["chosen"] == calibrated.method == selection.choose(calibrated.trials, metric, sign).method
     values = {t["method"]: t["metrics"][metric] for t in sel["trials"]}
     passing = [m for t in sel["trials"] if t["passed"] for m in [t["method"]]]
     assert sel["chosen"] in passing and values[sel["chosen"]] == max(values[m] for m in passing)
@@ -169,14 +170,14 @@ def test_the_calibration_is_chosen_by_the_face_task_gate_and_every_result_is_kep
 
 
 def test_choice_rule_pass_first_then_key_metric_then_order():
-    T = calibrate.Trial
+    T = selection.Trial
     trials = [T("minmax", {"m": 0.99}, ["fails"], 0), T("entropy", {"m": 0.95}, [], 5),
               T("percentile-99.9", {"m": 0.97}, [], 5), T("percentile-99.99", {"m": 0.97}, [], 5)]
-    assert calibrate.choose(trials, "m", 1).method == "percentile-99.9"       # passing first; tie → listed first
-    assert calibrate.choose(trials, "m", -1).method == "entropy"              # lower is better
+    assert selection.choose(trials, "m", 1).method == "percentile-99.9"       # passing first; tie → listed first
+    assert selection.choose(trials, "m", -1).method == "entropy"              # lower is better
     failing = [T("a", {"m": float("nan")}, ["x"], 0), T("b", {"m": 0.5}, ["x"], 0), T("c", {}, ["x"], 0)]
-    assert calibrate.choose(failing, "m", 1).method == "b"                     # none pass: best metric, NaN last
-    assert calibrate.choose(failing, "m", -1).method == "b"
+    assert selection.choose(failing, "m", 1).method == "b"                     # none pass: best metric, NaN last
+    assert selection.choose(failing, "m", -1).method == "b"
 
 
 def test_a_method_that_breaks_the_gate_is_not_chosen_even_listed_first(built, cfg, tmp_path):
@@ -197,22 +198,22 @@ def test_batch_size_does_not_change_ranges(preprocessed, subset, cfg):
     got = {}
     for batch in (4, 16):
         ccfg = dataclasses.replace(cfg.calibrate, candidates=("percentile-99.999", "entropy"), batch=batch)
-        got[batch], _ = calibrate.compute_ranges(preprocessed, subset, ccfg, progress=_quiet)
+        got[batch], _ = calibration.compute_ranges(preprocessed, subset, ccfg, progress=_quiet)
     assert got[4]["minmax"] == got[16]["minmax"]
     assert got[4]["candidates"] == got[16]["candidates"]
 
 
 def test_session_never_sees_more_than_one_batch(preprocessed, subset, cfg, monkeypatch):
     seen = []
-    real = calibrate._batches
+    real = calibration._batches
 
     def spy(chips, batch):
         for x in real(chips, batch):
             seen.append(len(next(iter(x.values()))))
             yield x
 
-    monkeypatch.setattr(calibrate, "_batches", spy)
-    calibrate.compute_ranges(preprocessed, subset[:10], dataclasses.replace(cfg.calibrate, candidates=("entropy",), batch=4),
+    monkeypatch.setattr(calibration, "_batches", spy)
+    calibration.compute_ranges(preprocessed, subset[:10], dataclasses.replace(cfg.calibrate, candidates=("entropy",), batch=4),
                              progress=_quiet)
     assert seen == [4, 4, 2] * 2                         # two passes, each streamed in batches of ≤ 4
 
@@ -220,11 +221,11 @@ def test_session_never_sees_more_than_one_batch(preprocessed, subset, cfg, monke
 @pytest.mark.parametrize("method", ["percentile-99.999", "entropy"])
 def test_histogram_methods_differ_from_minmax(preprocessed, subset, cfg, method):
     ccfg = dataclasses.replace(cfg.calibrate, candidates=(method,))
-    ranges, _ = calibrate.compute_ranges(preprocessed, subset, ccfg, progress=_quiet)
+    ranges, _ = calibration.compute_ranges(preprocessed, subset, ccfg, progress=_quiet)
     assert list(ranges["candidates"]) == [method]
-    changed = calibrate.differs(ranges["candidates"][method], ranges["minmax"])
+    changed = calibration.differs(ranges["candidates"][method], ranges["minmax"])
     assert changed / len(ranges["minmax"]) > 0.5, (method, changed)
-    plain, _ = calibrate.compute_ranges(preprocessed, subset, dataclasses.replace(ccfg, candidates=("minmax",)),
+    plain, _ = calibration.compute_ranges(preprocessed, subset, dataclasses.replace(ccfg, candidates=("minmax",)),
                                         progress=_quiet)
     assert plain["candidates"]["minmax"] == plain["minmax"] == ranges["minmax"]
 
@@ -297,7 +298,7 @@ def test_ranges_must_cover_the_graph(preprocessed, built, cfg, tmp_path, calibra
     ranges = json.loads((paths.calibration("embedder", built) / "ranges.json").read_text())["tensors"]
     dropped = dict(sorted(ranges.items())[1:])
     with pytest.raises(KilnError, match="no range for 1 of the graph's"):
-        quantize.quantize_graph(preprocessed, dropped, cfg.recipes["ort"], tmp_path / "q.onnx")
+        qdq.quantize_graph(preprocessed, dropped, cfg.recipes["ort"], tmp_path / "q.onnx")
     assert not (tmp_path / "q.onnx").exists()
 
 
@@ -371,4 +372,4 @@ def test_a_failing_ort_optimizer_is_not_swallowed(built, tmp_path, monkeypatch):
 
     monkeypatch.setattr(onnxruntime, "InferenceSession", broken)
     with pytest.raises(KilnError, match="pre-processing failed"):
-        calibrate.preprocess(paths.export("embedder", built) / "model.onnx", tmp_path / "pre.onnx")
+        calibration.preprocess(paths.export("embedder", built) / "model.onnx", tmp_path / "pre.onnx")

@@ -111,15 +111,15 @@ def test_cli_prints_the_report_and_writes_json(built, qdq, tmp_path):
 
 def test_debug_precision_stage_stores_the_report_with_a_manifest(built, cfg, qdq):
     from pipeline.manifest import read_manifest, verify_manifest
-    from pipeline.stages import precision
+    from pipeline.stages import debug_precision
 
-    r = precision.run(cfg, "embedder-ort", built)
-    rows = json.loads((r.directory / precision.LAYERS_FILE).read_text())
+    r = debug_precision.run(cfg, "embedder-ort", built)
+    rows = json.loads((r.directory / debug_precision.LAYERS_FILE).read_text())
     assert isinstance(rows, list) and len(rows) >= 50 and {"depth", "snr_db", "own_snr_db", "cosine"} <= set(rows[0])
     m = r.directory / "embedder-ort.manifest.json"
     assert verify_manifest(m, root=built) == []
     doc = read_manifest(m)
     assert doc["results"]["first_bad"] is None and doc["results"]["outputs"][0]["name"] == "output"
     assert [i["role"] for i in doc["inputs"]] == ["fp32", "int8"]
-    again = precision.run(cfg, "embedder-ort", built)                   # one thread: the same bytes
-    assert (again.directory / precision.LAYERS_FILE).read_bytes() == (r.directory / precision.LAYERS_FILE).read_bytes()
+    again = debug_precision.run(cfg, "embedder-ort", built)                   # one thread: the same bytes
+    assert (again.directory / debug_precision.LAYERS_FILE).read_bytes() == (r.directory / debug_precision.LAYERS_FILE).read_bytes()

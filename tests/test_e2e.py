@@ -13,14 +13,14 @@ from pipeline import cli, paths
 from pipeline.data import list_photos, load_rgb
 from pipeline.e2e import System
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import export, fingerprint, golden, validate
+from pipeline.stages import export, toolchain as toolchain_stage, golden, validate
 
 GRAPHS = ("pnet", "rnet", "onet", "aligner")
 
 
 @pytest.fixture(scope="module")
 def system_root(built, cfg):
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
     for m in GRAPHS:
         golden.run(cfg, m, built)
         export.run(cfg, m, built)
@@ -122,13 +122,13 @@ def test_identify_through_a_gallery_index(system, system_root, cfg):
     from dataclasses import replace
 
     from pipeline.errors import KilnError
-    from pipeline.stages import gallery, matching
+    from pipeline.stages import gallery, match
 
     m = cfg.matching
     small = cfg.replace(matching=replace(m, gallery_sizes=(5000,), sweep=("ivf-flat:nlist={nlist},nprobe=32",),
                                          latency=replace(m.latency, runs_b1=5, runs_b64=2, max_seconds=0.1)))
     gallery.run(small, 5000, system_root)
-    matching.match_run(small, 5000, system_root, progress=lambda _: None)
+    match.run(small, 5000, system_root, progress=lambda _: None)
     system.use_index(5000, system_root)
     assert system.engines["matching"].startswith("gallery-5000 (ivf-flat")
     for p in list_photos(system_root / cfg.data.photos):
@@ -149,7 +149,7 @@ def test_the_leaderboard_ranks_each_graph_at_the_batch_a_system_feeds_it(cfg, tm
     """R-Net gets every candidate crop of a photo in one call, so it is ranked at batch 8, where this host's batch-1
     winner (per-call overhead) loses; the embedder, once per face, at batch 1. A failed gate is never marked, however
     fast. Timings are this Zen 5's bench (docs/measurements.md, "Who wins")."""
-    from pipeline.stages import leaderboard
+    from pipeline import leaderboard
 
     timed = {"rnet": {"rnet-ort-cpu-fp32": (0.06, 0.48), "rnet-aoti-cpu-fp32": (0.08, 0.27),
                       "rnet-openvino-cpu-fp32": (0.14, 0.23)},

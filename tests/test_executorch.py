@@ -18,7 +18,7 @@ from pipeline import config, dag, engines, paths, rebuild, targets
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fingerprint, program, validate
+from pipeline.stages import toolchain as toolchain_stage, program, validate
 from pipeline.targets.base import CompileOptions
 from pipeline.targets.executorch import PTE_FILE, ExecuTorchXnnpack, _export_bounded
 from conftest import REPO, bench_beside_ort, profile_cfg, versus_ort
@@ -35,7 +35,7 @@ def ecfg(tmp_path_factory, cfg):
 @pytest.fixture(scope="module")
 def built_et(built, ecfg):
     """Both embedder engines, built by compile@ from the program (program@ first where no other test built it)."""
-    fingerprint.run(ecfg, built)
+    toolchain_stage.run(ecfg, built)
     if not (paths.program("embedder", built) / "embedder.manifest.json").is_file():
         program.run(ecfg, "embedder", built, check_reproducible=False)
     return {n: compile_stage.run(ecfg, n, built) for n in (FP32, INT8)}

@@ -19,7 +19,7 @@ _EXPORT = """
 import dataclasses, sys
 from pathlib import Path
 from pipeline import config, models
-from pipeline.stages.export import export_onnx
+from pipeline.models.export import export_onnx
 cfg = config.load(Path(sys.argv[1]))
 m = dataclasses.replace(cfg.model("embedder"), weights=sys.argv[2])
 export_onnx(models.build(m), m, cfg.export, Path(sys.argv[3]))

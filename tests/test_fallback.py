@@ -11,11 +11,11 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import paths
+from pipeline import fallbacks, paths
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fallback, fingerprint, trt_audit
-from pipeline.targets import trt_rules
-from pipeline.targets.tensorrt import static_audit
+from pipeline.stages import fallback_table, toolchain as toolchain_stage, trt_audit
+from pipeline.targets import trt_rules, trt_static
+from pipeline.targets.trt_onnx import static_audit
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +118,13 @@ def test_ort_recipe_would_not_parse(built, cfg, symmetric):
 
 
 def test_trt_audit_stage_and_fallback_table(built, cfg, symmetric):
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
     compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
     r = trt_audit.run(cfg, "embedder", built)
     assert r.report["parses"] and not r.failures and r.path.is_file()
     assert [e["precision"] for e in r.report["audits"]] == ["fp32", "fp16", "int8"]
 
-    res = fallback.run(cfg, built)
+    res = fallback_table.run(cfg, built)
     rows = {(x["model"], x["target"], x["precision"]): x for x in json.loads(res.json_path.read_text())}
     eng = rows[("embedder", "ort-cpu", "fp32")]
     assert eng["source"] == "engine" and eng["native_nodes"] >= 30 and eng["fallback_nodes"] == 0
@@ -147,6 +147,6 @@ def test_fallback_table_labels_a_graph_tensorrt_would_reject(built, cfg, symmetr
     t = cfg.targets["tensorrt"]
     options = {**t.options, "static_audit": {"precisions": ["int8"], "int8_recipe": "ort"}}
     cfg2 = cfg.replace(targets={**cfg.targets, "tensorrt": dataclasses.replace(t, options=options)})
-    trt_audit.report_path("embedder", built).unlink(missing_ok=True)
-    row = next(x for x in fallback.rows(cfg2, built) if x["target"] == "tensorrt" and x["model"] == "embedder")
+    trt_static.report_path("embedder", built).unlink(missing_ok=True)
+    row = next(x for x in fallbacks.rows(cfg2, built) if x["target"] == "tensorrt" and x["model"] == "embedder")
     assert row["parses"] is False and "parser would reject" in row["note"] and row["fallback_nodes"] > 0

@@ -43,9 +43,9 @@ def test_the_gate_is_the_validate_stages_own_limits(cfg):
     m = {"cosine_min": 0.99, "cosine_mean": 0.9995, "l2_max": 0.01, "top1_agreement": 1.0,
          "decision_agreement": 1.0, "tar_delta": 0.0, "far_delta": 0.0}
     assert script.facemetrics.gate(m, limits) == [f"cosine_min 0.99 (limit >= {cfg.validate.cosine_min:g})"]
-    from pipeline.stages import validate
+    from pipeline.gates import evaluate
 
-    assert validate.gate(m, cfg.validate) == script.facemetrics.gate(m, limits)
+    assert evaluate.gate(m, cfg.validate) == script.facemetrics.gate(m, limits)
 
 
 def test_report_format():

@@ -21,7 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 from pipeline import config, dag, onnx_import, profiles, samples
 from pipeline.models import retinaface
 from pipeline.errors import KilnError
-from pipeline.facemetrics import as_l2, face_metrics
+from pipeline.gates.facemetrics import face_metrics
+from pipeline.vectors import as_l2
 from conftest import REPO, make_root, write_params
 
 RNG = np.random.default_rng(7)
@@ -162,7 +163,7 @@ def _no_such_op(tmp: Path) -> tuple[Path, str]:
 
 def test_an_op_a_target_cannot_run_is_named_per_target(tmp_path):
     from pipeline import opsupport
-    from pipeline.stages import imports
+    from pipeline.stages import import_
 
     path, sha = _no_such_op(tmp_path)
     src = onnx_import.verify_source(path, sha, "tiny")              # valid ONNX as far as the checker goes
@@ -172,11 +173,11 @@ def test_an_op_a_target_cannot_run_is_named_per_target(tmp_path):
     assert got["ort-cpu"] == ["kiln.test:NoSuchOp"] and got["openvino-cpu"] == ["kiln.test.NoSuchOp"]
     assert got["tensorrt"] and "NoSuchOp" in got["tensorrt"][0] and got["aoti-cpu"].startswith("not checked")
     cfg = config.load(write_params(tmp_path, _sface))
-    e = _err(lambda: imports.op_support(cfg, "sface", path))         # import@: per engine target of the model
+    e = _err(lambda: import_.op_support(cfg, "sface", path))         # import@: per engine target of the model
     assert "ort-cpu: kiln.test:NoSuchOp" in e.message and "openvino-cpu: kiln.test.NoSuchOp" in e.message
     assert "sface-" not in e.message and "engines" in e.hint
     tiny, _ = _save(tmp_path, onnx_import.prepare(_tiny(), _mcfg(path, sha), "tiny")[0], "imported.onnx")
-    assert imports.op_support(cfg, "sface", tiny) == {"openvino-cpu": "all supported", "ort-cpu": "all supported"}
+    assert import_.op_support(cfg, "sface", tiny) == {"openvino-cpu": "all supported", "ort-cpu": "all supported"}
 
 
 def _sface(raw: dict) -> None:
@@ -290,7 +291,7 @@ def test_a_bytes_literal_is_read_without_running_the_module():
 def byo_root(tmp_path_factory, assets_dir):
     """A scratch project with the sface-retinaface profile: both models imported and built on ort-cpu."""
     from pipeline.stages import compile as compile_stage
-    from pipeline.stages import dataset, fingerprint, golden, imports
+    from pipeline.stages import dataset, toolchain as toolchain_stage, golden, import_
 
     root = make_root(tmp_path_factory.mktemp("byo"), assets_dir)
     cfg = config.load(write_params(root, _sface))
@@ -298,8 +299,8 @@ def byo_root(tmp_path_factory, assets_dir):
     out = {"cfg": cfg, "root": root}
     for m in ("sface", "retinaface"):
         out[f"golden-{m}"] = golden.run(cfg, m, root).summary
-        out[f"import-{m}"] = imports.run(cfg, m, root)
-    fingerprint.run(cfg, root)
+        out[f"import-{m}"] = import_.run(cfg, m, root)
+    toolchain_stage.run(cfg, root)
     for m in ("sface", "retinaface"):
         compile_stage.run(cfg, f"{m}-ort-cpu-fp32", root, check=False)
     return out

@@ -14,7 +14,7 @@ from pipeline import dag, engines, paths, profiles
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fingerprint, program, validate
+from pipeline.stages import toolchain as toolchain_stage, program, validate
 from pipeline.targets import edgetpu_rules
 from pipeline.targets.base import CompileOptions
 from pipeline.targets.litert import TFLITE_FILE, LiteRT
@@ -34,7 +34,7 @@ def lcfg(tmp_path_factory, cfg):
 @pytest.fixture(scope="module")
 def built_lt(built, lcfg):
     """Both embedder engines, built by compile@ (with its fresh-process rebuild) from the program."""
-    fingerprint.run(lcfg, built)
+    toolchain_stage.run(lcfg, built)
     if not (paths.program("embedder", built) / "embedder.manifest.json").is_file():
         program.run(lcfg, "embedder", built, check_reproducible=False)
     return {n: compile_stage.run(lcfg, n, built) for n in (FP32, INT8)}
@@ -87,9 +87,9 @@ def test_the_edge_tpu_rules_map_the_int8_model_and_refuse_the_float_one(built_lt
     assert tpu["min_runtime"] == "14"                                # its TRANSPOSE ops need compiler 16 / runtime 14
     fp = _manifest(FP32, built)["results"]["device_query"]["edgetpu"]
     assert fp["supported"] == 0 and fp["first_unsupported"].startswith("op 0 ") and "float32" in str(fp["why"])
-    from pipeline.stages import fallback
+    from pipeline import fallbacks
 
-    notes = {r["engine"]: r["note"] for r in fallback.rows(lcfg, built) if r["target"] == "litert"}
+    notes = {r["engine"]: r["note"] for r in fallbacks.rows(lcfg, built) if r["target"] == "litert"}
     assert notes[INT8] == f"edgetpu: {tpu['ops']}/{tpu['ops']} ops supported", notes
     assert notes[FP32].startswith(f"edgetpu: 0/{fp['ops']} ops supported, {fp['ops']} left to the CPU from op 0 ")
 
@@ -154,6 +154,7 @@ def test_fp32_passes_the_face_task_gate_and_full_integer_int8_is_stopped_by_it(b
 
 def test_bench_times_litert_beside_ort_in_one_process(built_lt, built, lcfg, tmp_path, capsys):
     report = bench_beside_ort(lcfg, built, (FP32, INT8), tmp_path)
+    assert f"{INT8}/{FP32}@b1" in report["ratios"] and f"{INT8}/{FP32}@b8" in report["ratios"], report["ratios"]
     with capsys.disabled():
         print(versus_ort(report, (FP32, INT8)))
 
@@ -172,9 +173,9 @@ def test_registers_fp32_and_refuses_the_failed_int8(built_lt, built, lcfg, regis
         register_stage.run(lcfg, INT8, built)
 
 
-def test_refusals_name_the_problem(tmp_path, built, monkeypatch):
+def test_refusals_name_the_problem(tmp_path, built_program, monkeypatch):
     t = LiteRT()
-    src = paths.program("embedder", built) / program.PROGRAM_FILE
+    src = built_program / program.PROGRAM_FILE        # asked for: not left behind by whichever test ran before
     with pytest.raises(KilnError, match="not built by this target"):
         t.compile(src, CompileOptions("fp16", t.parse_options({})), tmp_path, tmp_path)
     with pytest.raises(KilnError, match="needs the calibration chips"):

@@ -70,21 +70,21 @@ def _targets(cfg, r1, r10):
 
 
 def test_the_stage_chooses_the_cheapest_meeting_both_floors(cfg):
-    from pipeline.stages import matching
+    from pipeline.matching import sweep
 
-    assert matching.choose(_curve(), _targets(cfg, 0.99, 0.85))["index"] == "sq8"   # ties on p50: fewer bytes
-    assert matching.choose(_curve(), _targets(cfg, 0.95, 0.95))["index"] == "hnsw:M=32,ef=64"
-    assert matching.choose(_curve(), _targets(cfg, 0.85, 0.3))["index"] == "ivf-pq"
-    assert matching.choose(_curve(), _targets(cfg, 1.0, 0.5))["index"] == "flat"
-    assert matching.choose(_curve(), _targets(cfg, 0.9, 0.99))["index"] == "flat"   # recall@10 decides
+    assert sweep.choose(_curve(), _targets(cfg, 0.99, 0.85))["index"] == "sq8"   # ties on p50: fewer bytes
+    assert sweep.choose(_curve(), _targets(cfg, 0.95, 0.95))["index"] == "hnsw:M=32,ef=64"
+    assert sweep.choose(_curve(), _targets(cfg, 0.85, 0.3))["index"] == "ivf-pq"
+    assert sweep.choose(_curve(), _targets(cfg, 1.0, 0.5))["index"] == "flat"
+    assert sweep.choose(_curve(), _targets(cfg, 0.9, 0.99))["index"] == "flat"   # recall@10 decides
 
 
 def test_too_strict_targets_fail_clearly(cfg):
-    from pipeline.stages import matching
+    from pipeline.matching import sweep
 
     with pytest.raises(GateFailed, match=r"no index of the sweep reaches recall@1 >= 0.999 and recall@10 >= 0.5; "
                                          r"the best was sq8") as e:
-        matching.choose([r for r in _curve() if r["index"] != "flat"], _targets(cfg, 0.999, 0.5))
+        sweep.choose([r for r in _curve() if r["index"] != "flat"], _targets(cfg, 0.999, 0.5))
     assert "nprobe" in e.value.hint
 
 
@@ -273,12 +273,12 @@ def test_match_stage_writes_a_verifiable_gated_index(cfg, stage_root):
     import json
 
     from pipeline import paths
-    from pipeline.stages import gallery, matching
+    from pipeline.stages import gallery, match
 
     c = _mcfg(cfg)
     gal = gallery.run(c, 5000, stage_root)
     assert verify_manifest(manifest_path(gal.directory, "gallery-5000"), stage_root) == []
-    r = matching.match_run(c, 5000, stage_root, progress=lambda _: None)
+    r = match.run(c, 5000, stage_root, progress=lambda _: None)
     assert r.passed and r.chosen["recall@1"] >= c.matching.targets.recall_at_1_min
     assert r.chosen["recall@10"] >= c.matching.targets.recall_at_10_min
     mpath = manifest_path(paths.index(5000, stage_root), "gallery-5000")
@@ -306,15 +306,15 @@ def test_match_stage_writes_a_verifiable_gated_index(cfg, stage_root):
 def test_a_forced_choice_rebuilds_to_the_same_bytes(cfg, stage_root):
     """With one index in the sweep the choice cannot follow timings: two runs give byte-identical outputs."""
     from pipeline import paths
-    from pipeline.stages import gallery, matching
+    from pipeline.stages import gallery, match
 
     c = _mcfg(cfg, sweep=("ivf-flat:nlist={nlist},nprobe=32",))
     if not (paths.gallery(5000, stage_root) / "vectors.npy").is_file():
         gallery.run(c, 5000, stage_root)
     mpath = manifest_path(paths.index(5000, stage_root), "gallery-5000")
-    matching.match_run(c, 5000, stage_root, progress=lambda _: None)
+    match.run(c, 5000, stage_root, progress=lambda _: None)
     first = (mpath.read_bytes(), (mpath.parent / "index.faiss").read_bytes())
-    matching.match_run(c, 5000, stage_root, progress=lambda _: None)
+    match.run(c, 5000, stage_root, progress=lambda _: None)
     assert (mpath.read_bytes(), (mpath.parent / "index.faiss").read_bytes()) == first
 
 
@@ -322,28 +322,28 @@ def test_too_strict_target_fails_the_stage(cfg, stage_root):
     import json
 
     from pipeline import paths
-    from pipeline.stages import gallery, matching
+    from pipeline.stages import gallery, match
 
     c = _mcfg(cfg, sweep=("ivf-pq:nlist={nlist},m=8,nbits=4,nprobe=1", "ivf-flat:nlist={nlist},nprobe=1"),
               targets={"recall_at_1_min": 1.0, "recall_at_10_min": 0.999})
     if not (paths.gallery(5000, stage_root) / "vectors.npy").is_file():
         gallery.run(c, 5000, stage_root)
     with pytest.raises(GateFailed, match=r"match@5000: no index of the sweep reaches recall@1 >= 1.0 .*the best was") as e:
-        matching.match_run(c, 5000, stage_root, progress=lambda _: None)
+        match.run(c, 5000, stage_root, progress=lambda _: None)
     assert "flat" in e.value.hint
     gate = json.loads((paths.matching(5000, stage_root) / "validation.json").read_text())
     assert gate["verdict"] == "fail" and gate["chosen"] is None
 
 
 def test_identity_gate_rejects_a_disagreeing_index(cfg):
-    from pipeline.stages import matching
+    from pipeline.matching import sweep
 
     labels = np.array([0, 1, 2, -1, -1])
     exact_ids, ids = np.array([[0], [1], [3], [4]]), np.array([[0], [2], [3], [3]])
     exact_d, d = np.array([[0.2], [0.3], [0.5], [0.7]]), np.array([[0.2], [0.5], [0.55], [0.65]])
-    row = {"index": "x", **matching.face_gate(exact_ids, exact_d, ids, d, labels, np.array([0, 1, 3, 4]), 2, 0.6)}
+    row = {"index": "x", **sweep.face_gate(exact_ids, exact_d, ids, d, labels, np.array([0, 1, 3, 4]), 2, 0.6)}
     assert row["golden_top1_agreement"] == 0.5 and row["decision_agreement"] == 0.75
-    failures = matching.gate(row, cfg.matching)
+    failures = sweep.gate(row, cfg.matching)
     assert any("golden_top1_agreement 0.5" in f for f in failures)
 
 
@@ -355,7 +355,7 @@ def test_matching_config_rejects_impossible_targets(tmp_path):
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["matching"]["targets"]["recall_at_1_min"] = 1.01
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(KilnError, match=r"matching.targets.recall_at_1_min: .*less than or equal to 1") as e:
+    with pytest.raises(KilnError, match=r"match.targets.recall_at_1_min: .*less than or equal to 1") as e:
         config.load(tmp_path / "p.yaml")
     assert e.value.hint
     raw["matching"]["targets"]["recall_at_1_min"] = 0.99

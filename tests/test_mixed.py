@@ -8,6 +8,7 @@ import pytest
 from pipeline import config, paths
 from pipeline.errors import KilnError
 from pipeline.mixed import Trial, greedy, search
+from pipeline.quant.qdq import pairs
 from pipeline.stages import quantize
 from conftest import write_params as _write
 
@@ -53,7 +54,7 @@ def test_the_float_softmax_recipe_is_built_by_quantize_and_keeps_that_node_float
 
 
 def test_recipes_scope_and_float_nodes_are_checked(onet, cfg, tmp_path):
-    assert "onet-ort-float-softmax" in quantize.pairs(cfg) and "embedder-ort-float-softmax" not in quantize.pairs(cfg)
+    assert "onet-ort-float-softmax" in pairs(cfg) and "embedder-ort-float-softmax" not in pairs(cfg)
 
     def wrong_model(p):
         p["engines"]["embedder-ort-cpu-int8"]["recipe"] = "ort-float-softmax"

@@ -13,7 +13,7 @@ from pipeline import config, paths, targets
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fingerprint, validate
+from pipeline.stages import toolchain as toolchain_stage, validate
 from pipeline.targets.openvino import CONFIG_FILE, XML_FILE, OpenVinoCpu, _reason
 from conftest import REPO
 from conftest import write_params as _write
@@ -36,7 +36,7 @@ def engines(built, cfg16):
     """The embedder's openvino-cpu engines, built by the compile stage (INT8 from the real `ort-float-fc` recipe)."""
     from pipeline.stages import calibrate, quantize
 
-    fingerprint.run(cfg16, built)
+    toolchain_stage.run(cfg16, built)
     if not (paths.calibration("embedder", built) / "ranges.json").is_file():
         calibrate.run(cfg16, "embedder", built, progress=lambda _: None)
     if not (paths.quantized("embedder", "ort-float-fc", built) / "embedder-ort-float-fc.manifest.json").is_file():
@@ -48,7 +48,7 @@ def engines(built, cfg16):
 def test_bf16_on_a_cpu_without_it_is_refused_in_one_line(built, cfg16):
     if BF16:
         pytest.skip("this CPU has bf16: the engine builds (tests below); the refusal runs on AVX2-only CPUs")
-    fingerprint.run(cfg16, built)             # the refusal, not a missing fingerprint, whatever ran before
+    toolchain_stage.run(cfg16, built)             # the refusal, not a missing fingerprint, whatever ran before
     with pytest.raises(KilnError, match="no bf16 support") as e:
         compile_stage.run(cfg16, BF16_ENGINE, built)
     assert "profile" in e.value.hint or "drop the bf16 engine" in e.value.hint
@@ -56,7 +56,7 @@ def test_bf16_on_a_cpu_without_it_is_refused_in_one_line(built, cfg16):
 
 
 def test_probe_records_version_plugin_capabilities_and_devices(built, cfg):
-    tc, path, _ = fingerprint.run(cfg, built)["openvino-cpu"]
+    tc, path, _ = toolchain_stage.run(cfg, built)["openvino-cpu"]
     doc = yaml.safe_load(path.read_text())
     assert tc.available and doc["available"] is True
     assert set(doc["rebuild_on"]) == {"openvino", "cpu_plugin", "capabilities", "devices", "isa", "machine"}

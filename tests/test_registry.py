@@ -19,9 +19,8 @@ import pytest
 
 from pipeline import cli, paths, registry
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import build_manifest, identity_digest, input_ref, manifest_path, write_manifest
+from pipeline.manifest import artifact_digest, build_manifest, identity_digest, input_ref, manifest_path, write_manifest
 from pipeline.registry.client import tracking_uri
-from pipeline.registry.registration import artifact_digest
 from pipeline.stages import register as register_stage
 
 
@@ -202,7 +201,7 @@ def test_register_refuses_unverified_unvalidated_or_failed_engines(cfg, root, ca
 def test_register_reads_the_bench_gate_of_exactly_this_build(cfg, root, capsys):
     """register@ depends on the engine's own bench verdict (no timings): a failed one refuses registration, an
     edited one or one about other builds is refused, and the same builds and verdicts give the same bytes."""
-    from pipeline import benchgate
+    from pipeline.gates import benchgate
 
     make_engine(root, cfg, FP32, b"fp32")
     make_engine(root, cfg, INT8, b"int8")
@@ -431,19 +430,19 @@ def test_an_index_registers_as_an_index_and_its_refusals(cfg, root):
     make_index(root, size, b"faiss-bytes")
     shutil.rmtree(paths.matching(size, root))
     with pytest.raises(KilnError, match="no verdict to register"):
-        register_index.run_index(cfg, size, root)
+        register_index.run(cfg, size, root)
     make_index(root, size, b"faiss-bytes")
     (paths.index(size, root) / "index.faiss").write_bytes(b"faiss-bytez")
     with pytest.raises(GateFailed, match="do not match their manifest"):
-        register_index.run_index(cfg, size, root)
+        register_index.run(cfg, size, root)
     make_index(root, size, b"faiss-bytes", verdict="fail")
     with pytest.raises(GateFailed, match="validation failed"):
-        register_index.run_index(cfg, size, root)
+        register_index.run(cfg, size, root)
     with pytest.raises(KilnError, match="is not in matching.gallery_sizes"):
-        register_index.run_index(cfg, 12345, root)
+        register_index.run(cfg, 12345, root)
 
     make_index(root, size, b"faiss-bytes")
-    r = register_index.run_index(cfg, size, root)
+    r = register_index.run(cfg, size, root)
     assert r.new and r.name == f"kiln-gallery-{size}"
     c = client()
     mv = c.get_model_version(r.name, "1")

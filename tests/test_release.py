@@ -359,7 +359,7 @@ def test_a_gallery_index_releases_and_verifies(cfg, root, keys, tmp_path):  # no
 
     size = cfg.matching.gallery_sizes[0]
     make_index(root, size, b"faiss-bytes")
-    receipt = register_index.run_index(cfg, size, root)
+    receipt = register_index.run(cfg, size, root)
     registry.promote(cfg, receipt.name, receipt.version, root)
     r = release.build(cfg, receipt.name, "production", root, key=keys[0], out_dir=tmp_path)
     checked = release.verify(r.archive, keys[1])

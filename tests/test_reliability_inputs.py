@@ -122,14 +122,14 @@ def test_every_external_data_file_a_model_reads_is_pinned(tmp_path):
 def test_golden_and_import_record_external_data_and_verify_sees_it_rewritten(user_project):
     """[external data] golden@ and import@ depend on the data file (dvc.yaml) and list it in their manifests with its
     digests; after the file is rewritten `kiln verify` reports the change and golden@ refuses to run."""
-    from pipeline.stages import golden, imports
+    from pipeline.stages import golden, import_
 
     root, cfg = user_project({"ext": (_embedder(), {}, True)})
     data = "models/ext.onnx.data"
     for s in ("golden", "import"):
         assert data in dag.deps_of(dag.find(s), cfg, "ext"), s
     golden.run(cfg, "ext", root)
-    imports.run(cfg, "ext", root)
+    import_.run(cfg, "ext", root)
     for d in ("artifacts/golden/ext", "artifacts/export/ext"):
         (m,) = (root / d).glob("*.manifest.json")
         ref = next(i for i in json.loads(m.read_text())["inputs"] if i.get("path") == data)
@@ -201,7 +201,7 @@ def test_an_nhwc_model_with_layout_nhwc_builds_like_an_nchw_one(user_project):
     """[layouts] With `layout: nhwc`, golden@ feeds the original channels last and import@ puts a Transpose in
     front: the imported graph takes NCHW like every other, passes parity, and golden@ gives the same embeddings as
     the NCHW export of the same weights."""
-    from pipeline.stages import golden, imports
+    from pipeline.stages import golden, import_
 
     root, cfg = user_project({"tf": (_embedder(nhwc=True, opset=11), {"layout": "nhwc"}, False),
                               "pt": (_embedder(), {}, False)})
@@ -210,7 +210,7 @@ def test_an_nhwc_model_with_layout_nhwc_builds_like_an_nchw_one(user_project):
         golden.run(cfg, m, root)
         emb[m] = np.load(root / "artifacts" / "golden" / m / "embeddings.npy")
     assert emb["tf"].shape == (len(emb["pt"]), 8) and np.abs(emb["tf"] - emb["pt"]).max() < 1e-4
-    r = imports.run(cfg, "tf", root)
+    r = import_.run(cfg, "tf", root)
     assert r.report["layout"].startswith("nhwc") and r.report["converted_from_opset"] == 11
     assert r.parity["cosine_min"] > 0.99999
     sess = ort.InferenceSession(str(r.onnx_path), providers=["CPUExecutionProvider"])

@@ -28,7 +28,7 @@ import pytest
 from pipeline import registry, release, revalidate
 from pipeline.errors import GateFailed, KilnError
 from pipeline.registry.releases import RELEASES_EXPERIMENT
-from pipeline.stages import register as register_stage
+from pipeline.registry import sync as registry_sync
 from reliability import clean_error, kiln, versions
 from test_registry import (FP32, INT8, REPO, aliases, client, make_engine, production, register,  # noqa: F401
                            root)
@@ -234,7 +234,7 @@ def test_register_killed_at_every_registry_call_converges(cfg, root, forks, sign
         if n % 2:
             receipt = register(cfg, FP32, root)
         else:
-            receipt = next(r for r in register_stage.sync(cfg, root, progress=lambda line: None) if r.name == NAME32)
+            receipt = next(r for r in registry_sync.sync(cfg, root, progress=lambda line: None) if r.name == NAME32)
         assert receipt.version == 2 and aliases(NAME32) == {"candidate": 2}, (n, receipt, aliases(NAME32))
         assert versions(db_path(), NAME32) == [1, 2], n
         moves = registry.history(cfg, FP32, root, alias="candidate")

@@ -377,7 +377,7 @@ def test_all_production_says_what_was_released_and_what_was_not(cfg, root, keys,
     from pipeline.stages import register_index
 
     make_index(root, size, b"faiss-bytes")
-    receipt = register_index.run_index(cfg, size, root)
+    receipt = register_index.run(cfg, size, root)
     registry.promote(cfg, receipt.name, receipt.version, root)
     make_engine(root, cfg, INT8, b"rebuilt")                          # the workspace now holds another build
     shutil.copy(REPO / "params.yaml", root / "params.yaml")

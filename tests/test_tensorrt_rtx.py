@@ -26,8 +26,9 @@ from pipeline import cli, config, paths, profiles, registry, revalidate, targets
 from pipeline.errors import GateFailed, KilnError
 from pipeline.targets.base import CompileOptions, OpSupport
 from pipeline.targets.ort_cpu import OrtCpu
-from pipeline.targets.tensorrt import inspector_audit, pick_profile
+from pipeline.targets.tensorrt import pick_profile
 from pipeline.targets.tensorrt_rtx import TensorRTRTX, disagreements, parse_layer_lines, plan_for
+from pipeline.targets.trt_inspector import inspector_audit
 
 RTX_ENGINES = ("embedder-tensorrt-rtx-fp32", "embedder-tensorrt-rtx-fp16", "embedder-tensorrt-rtx-int8")
 
@@ -197,7 +198,7 @@ def test_a_profile_that_breaks_params_changes_nothing(tmp_path):
 @pytest.fixture(scope="module")
 def rtx(built, cfg, tmp_path_factory):
     """`built` with the rtx profile's params, the symmetric INT8 embedder and fresh toolchain fingerprints."""
-    from pipeline.stages import calibrate, fingerprint, quantize
+    from pipeline.stages import calibrate, toolchain as toolchain_stage, quantize
 
     p = tmp_path_factory.mktemp("rtx-params") / "params.yaml"
     p.write_text(yaml.safe_dump(profiles.merged(cfg.raw, profiles.load("rtx", REPO))))
@@ -205,7 +206,7 @@ def rtx(built, cfg, tmp_path_factory):
     targets.check(rcfg)
     calibrate.run(rcfg, "embedder", built, progress=lambda _: None)
     quantize.run(rcfg, "embedder", "symmetric", built)
-    fingerprint.run(rcfg, built)
+    toolchain_stage.run(rcfg, built)
     return rcfg, built
 
 

@@ -17,7 +17,7 @@ from pipeline import dag, engines, paths, rebuild
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import export, fingerprint, golden, tune, validate
+from pipeline.stages import export, toolchain as toolchain_stage, golden, tune, validate
 from pipeline.targets.base import CompileOptions
 from pipeline.targets.tvm import DB_FILES, META_FILE, Tvm
 from conftest import REPO, bench_beside_ort, load_in_fresh_process, profile_cfg, versus_ort
@@ -44,7 +44,7 @@ def tcfgs(tmp_path_factory, cfg):
 def built_tvm(built, tcfgs):
     """The untuned embedder and O-Net engines, built by compile@ (with its fresh-process rebuild) from the ONNX."""
     ucfg = tcfgs[0]
-    fingerprint.run(ucfg, built)
+    toolchain_stage.run(ucfg, built)
     for model in ("embedder", "onet"):
         if not (paths.golden(model, built) / f"{model}.manifest.json").is_file():
             golden.run(ucfg, model, built)

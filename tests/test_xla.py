@@ -18,7 +18,7 @@ from pipeline import dag, engines, paths, rebuild
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fingerprint, golden, program, validate
+from pipeline.stages import toolchain as toolchain_stage, golden, program, validate
 from pipeline.targets.base import CompileOptions
 from pipeline.targets.xla import EXPORT_FILE, OPTIONS_FILE, Xla
 from conftest import REPO, bench_beside_ort, load_in_fresh_process, profile_cfg, versus_ort
@@ -35,7 +35,7 @@ def xcfg(tmp_path_factory, cfg):
 @pytest.fixture(scope="module")
 def built_xla(built, xcfg):
     """The embedder and O-Net engines, built by compile@ (with its fresh-process rebuild) from their programs."""
-    fingerprint.run(xcfg, built)
+    toolchain_stage.run(xcfg, built)
     for model in ("embedder", "onet"):
         if not (paths.golden(model, built) / f"{model}.manifest.json").is_file():
             golden.run(xcfg, model, built)

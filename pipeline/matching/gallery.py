@@ -13,6 +13,8 @@ bytes do not depend on the machine, and a larger gallery extends a smaller one (
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -20,6 +22,7 @@ import xxhash
 
 from pipeline.errors import KilnError
 
+MODEL = "embedder"           # the embedder whose golden embeddings are enrolled (its verify_threshold gates)
 DIM = 128
 CHUNK = 16384          # rows per draw; part of the output's identity (changing it changes the bytes)
 DISTRACTOR = -1        # label of a distractor row
@@ -152,3 +155,13 @@ def distance_report(sample: np.ndarray, enrolled: np.ndarray, threshold: float =
     cross = np.sqrt(np.maximum((s * s).sum(1)[:, None] + (e * e).sum(1)[None] - 2 * s @ e.T, 0)).ravel()
     return {"distractor_pairs": summ(_pairwise(s)[iu]), "distractor_to_enrolled": summ(cross),
             "norms": summ(np.linalg.norm(s, axis=1))}
+
+
+def load(directory: Path, size: int, hint: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    """A gallery@<size> output, verified against its manifest by the caller: vectors, labels, fitted distribution."""
+    vectors = np.load(directory / "vectors.npy", allow_pickle=False)
+    labels = np.load(directory / "labels.npy", allow_pickle=False)
+    dist = json.loads((directory / "distribution.json").read_text())
+    if len(vectors) != size:
+        raise KilnError(f"{directory}: {len(vectors)} vectors, expected {size}", hint)
+    return vectors, labels, dist

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import KilnError
-from pipeline.stage import address
+from pipeline.dvcfiles import address
 
 if TYPE_CHECKING:  # keep `import pipeline.models.<x>` free of yaml/config for GPU-side scripts
     import torch

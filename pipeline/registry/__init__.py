@@ -3,6 +3,8 @@
     client.py     where the registry is, bounded waits, one-line redacted errors, safe SQLite first use, locks
     registration.py   log + register an engine or an index once per content digest (immutable digests as run params)
     releases.py   verified download, promote / rollback under the model's lock, alias history
+    receipts.py   the receipt register@ / register-index@ write and print
+    sync.py       `kiln registry sync`: every built, validated artifact registered
 """
 
 from pipeline.registry.client import Registry, redact, registered_name

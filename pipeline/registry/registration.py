@@ -15,13 +15,12 @@ metrics and the record of its build (git commit, host), and registered as a vers
 * Only a passing verdict makes a `candidate`. A `not-run` verdict (a build-only engine: no runtime on the build
   host) registers with alias `built`. A failed artifact is refused unless `allow_failed`, and is then registered
   without an alias, its verdict tag `fail`, with a warning.
-* The receipt (pipeline/stages/register.py) names what was registered by content only; the version number and
+* The receipt (pipeline/registry/receipts.py) names what was registered by content only; the version number and
   tracking URI belong to one registry and go to the stage's record.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -35,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import paths
-from pipeline.stage import address
+from pipeline.dvcfiles import address
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import (canonical_json, identity_digest, manifest_path, read_manifest, verify_manifest,
-                               write_json_atomic)
+from pipeline.manifest import (artifact_digest, canonical_json, identity_digest, manifest_path, read_manifest,
+                               verify_manifest, write_json_atomic)
 from pipeline.registry.client import Registry, errors, redact, registered_name
 from pipeline.registry.releases import (BUILT, CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, move_alias, moves,
                                         now, settle)
@@ -84,12 +83,6 @@ class Registrable:
     @property
     def verdict_manifest(self) -> Path:
         return manifest_path(self.verdict_dir, self.name)
-
-
-def artifact_digest(manifest: dict[str, Any]) -> str:
-    """sha256 over the sorted (path, sha256) pairs of the manifest's files: the artifact's content identity."""
-    pairs = sorted([f["path"], f["sha256"]] for f in manifest["files"])
-    return hashlib.sha256(canonical_json(pairs)).hexdigest()
 
 
 def _metric_key(name: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 
 from pipeline import paths
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import check_files, identity_digest, manifest_path, read_manifest
+from pipeline.manifest import artifact_digest, check_files, identity_digest, manifest_path, read_manifest
 from pipeline.registry.client import Registry, errors, redact, registered_name
 
 RELEASES_EXPERIMENT = "kiln-releases"
@@ -217,8 +217,6 @@ def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Veri
                          f"{str(manifest.get('name'))[:200]!r}, but the version was registered for {artifact!r}",
                          _REBOUND)
     problems += check_files(manifest_path(local, artifact), manifest)
-    from pipeline.registry.registration import artifact_digest
-
     if (d := artifact_digest(manifest)) != params[PARAM + "sha256"]:
         problems.append(f"stored manifest's content digest is {d}, registered {params[PARAM + 'sha256']}")
     if (d := identity_digest(manifest)) != params[PARAM + "manifest_xxh3_128"]:

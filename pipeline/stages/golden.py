@@ -4,36 +4,22 @@ The reference is PyTorch eager for a model with a factory, and ONNX Runtime with
 original file for a model delivered as ONNX (pipeline/onnx_import.py `reference_session`).
 
 Outputs are stored one file per feed and output (`reference/0003.prob.npy`), because P-Net's inputs differ in size
-from one pyramid level to the next. Embedders (samples kind `chips`) also get `embeddings.npy`, all chips'
-embeddings in set order, which the face-task validation and the matching stages read.
+from one pyramid level to the next. The model's role adds what it needs beside them (pipeline/roles/): an embedder
+(`samples: chips`) gets `embeddings.npy`, all chips' embeddings in set order, which the face-task validation and the
+matching stages read.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
-
-import numpy as np
-import torch
 
 from pipeline import models, paths, samples, stage
-from pipeline.data import load_set
-from pipeline.errors import KilnError
-from pipeline.facemetrics import as_l2
-from pipeline.manifest import (atomic_dir, build_manifest, file_input, manifest_path, read_verified,
-                               write_bytes_atomic, write_json_atomic, write_manifest)
-
-def source_inputs(mcfg, root: Path) -> list[dict]:
-    """Manifest inputs (digests) of the files the model's graph is read from (models.weight_deps)."""
-    if mcfg.onnx is None:
-        return [file_input("weights", root / w, root) for w in models.weight_deps(mcfg)]
-    return [file_input("onnx_source" if i == 0 else "onnx_external_data", root / f, root)
-            for i, f in enumerate(mcfg.onnx.files)]
-
+from pipeline.gates.golden import npy_bytes, onnx_reference, output_names, reference_outputs
+from pipeline.gates.reference import source_inputs
+from pipeline.manifest import atomic_dir, build_manifest, write_bytes_atomic, write_json_atomic, write_manifest
+from pipeline.roles import registry as roles
 
 STAGE = stage.Stage(
     "golden", "pipeline.stages.golden", "FP32 reference outputs (PyTorch, or ORT on an ONNX original) on each "
@@ -41,78 +27,15 @@ STAGE = stage.Stage(
     keys=lambda cfg: list(cfg.models),
     deps=lambda cfg, key: models.weight_deps(cfg.model(key)) + samples.deps(cfg, key, "golden"),
     params=lambda cfg, key: [f"models.{key}", *samples.params(cfg, key)],
-    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key))],
-    outs=lambda cfg, key: [stage.Out(paths.golden(key).as_posix())])
+    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key)), *roles.modules(cfg.model(key).samples)],
+    outs=lambda cfg, key: [stage.Out(paths.golden(key).as_posix())],
+    help="compute a model's FP32 PyTorch reference outputs on its golden inputs")
 
 
 @dataclass(frozen=True)
 class GoldenResult:
     directory: Path
     summary: dict
-
-
-def _npy_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(a), allow_pickle=False)
-    return buf.getvalue()
-
-
-def reference_outputs(model: torch.nn.Module, feeds: Sequence[samples.Feed]) -> list[list[np.ndarray]]:
-    """Run the PyTorch model on every feed; inputs are passed in the feed's order (the forward's argument order).
-    A reference with a NaN or infinite value is refused: every later gate would compare against garbage."""
-    outs = []
-    with torch.inference_mode():
-        for i, feed in enumerate(feeds):
-            y = model(*(torch.from_numpy(v) for v in feed.values()))
-            outs.append([t.numpy() for t in (y if isinstance(y, (tuple, list)) else (y,))])
-            if not all(np.isfinite(o).all() for o in outs[-1]):
-                raise KilnError(f"the reference model produced NaN or infinite outputs on golden feed {i}",
-                                "check the model's weights (a corrupt or NaN-filled file?) and its input scaling")
-    return outs
-
-
-def output_names(model: torch.nn.Module) -> list[str]:
-    return list(getattr(model, "output_names", ["output"]))
-
-
-def load_reference(directory: Path) -> tuple[list[str], list[list[np.ndarray]]]:
-    """(output names, outputs per feed) of a golden artifact, its files verified against its manifest first."""
-    read_verified(manifest_path(directory, directory.name), fast=True)
-    index = json.loads((directory / "index.json").read_text())
-    names = index["outputs"]
-    return names, [[np.load(directory / "reference" / f"{i:04d}.{n}.npy", allow_pickle=False) for n in names]
-                   for i in range(index["feeds"])]
-
-
-def pair_distances(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """L2 distance ranges of same-identity and different-identity pairs: how far the threshold is from the data."""
-    d = np.linalg.norm(emb[:, None] - emb[None], axis=-1)
-    same = labels[:, None] == labels[None]
-    off = ~np.eye(len(emb), dtype=bool)
-    s, o = d[same & off], d[~same]
-    out = {}
-    if s.size:
-        out.update(same_l2_min=float(s.min()), same_l2_max=float(s.max()))
-    if o.size:
-        out.update(diff_l2_min=float(o.min()), diff_l2_max=float(o.max()))
-    return {k: round(v, 6) for k, v in out.items()}
-
-
-def onnx_reference(mcfg, feeds: Sequence[samples.Feed], root: Path) -> tuple[list[list[np.ndarray]], list[str]]:
-    """ONNX Runtime on the original (pinned, checked) file: outputs per feed and the output names. The file's I/O
-    is checked first, as import@ checks it: a wrong input shape or layout, or a Loop, is one clear error."""
-    from pipeline import onnx_import
-
-    proto = onnx_import.load_source(mcfg, root)
-    onnx_import.check_source(proto, mcfg, mcfg.onnx.path)
-    run_feed, names = onnx_import.reference_session(proto, mcfg.layout)
-    outs = []
-    for i, feed in enumerate(feeds):
-        outs.append(run_feed(feed))
-        if not all(np.isfinite(o).all() for o in outs[-1]):
-            raise KilnError(f"{mcfg.onnx.path}: the model produced NaN or infinite outputs on golden feed {i}",
-                            f"check the file and models.{mcfg.name}.preprocess (input scaling)")
-    return outs, names
 
 
 def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
@@ -132,20 +55,16 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
         for i, per_feed in enumerate(outs):
             for n, a in zip(names, per_feed):
                 files.append(d / "reference" / f"{i:04d}.{n}.npy")
-                write_bytes_atomic(files[-1], _npy_bytes(a))
+                write_bytes_atomic(files[-1], npy_bytes(a))
         write_json_atomic(d / "index.json", {"inputs": list(feeds[0]), "outputs": names, "feeds": len(feeds),
                                              "feeds_xxh3_128": summary["feeds_xxh3_128"]})
         files.append(d / "index.json")
         inputs = source_inputs(mcfg, root) + samples.inputs(cfg, model_name, "golden", root)
-        if mcfg.samples == "chips":
-            gset = load_set(paths.data_set(samples.chip_set(cfg, model_name, "golden"), root))
-            emb = np.concatenate([o[0] for o in outs])
-            write_bytes_atomic(d / "embeddings.npy", _npy_bytes(emb.astype(np.float32)))
-            files.append(d / "embeddings.npy")
-            plain = np.array([s["augmentation"] is None for s in gset.index["samples"]])
-            unit, _ = as_l2(emb, mcfg.verify_threshold, mcfg.metric)     # cosine models: unit vectors
-            summary.update(plain_chips=pair_distances(unit[plain], gset.labels[plain]),
-                           all_chips=pair_distances(unit, gset.labels), golden_set_xxh3_128=gset.content_hash)
+        arrays, extra = samples.role(cfg, model_name).golden(cfg, model_name, outs, root)  # embedder: embeddings.npy
+        for name, a in arrays.items():
+            write_bytes_atomic(d / name, npy_bytes(a))
+            files.append(d / name)
+        summary.update(extra)
         write_manifest(d, build_manifest(
             kind="golden", name=model_name, model=model_name, precision="fp32", directory=d, files=files,
             inputs=inputs, build={"factory": mcfg.factory, "samples": mcfg.samples,

@@ -13,25 +13,23 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import io
 import subprocess
 import sys
 import tempfile
-import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pipeline import models, paths, samples, stage
 from pipeline.config import ModelConfig
 from pipeline.errors import GateFailed, KilnError
+from pipeline.gates.agreement import compare, model_deps, print_parity
+from pipeline.gates.reference import load_reference
 from pipeline.manifest import (atomic_dir, build_manifest, file_input, input_ref, manifest_path, write_bytes_atomic,
                                write_manifest)
-from pipeline.stages.export import compare, model_deps
-from pipeline.stages.golden import load_reference
+from pipeline.models.program import aten_ops, export_program, feed_runner, program_bytes
+from pipeline.roles import registry as roles
 
 PROGRAM_FILE = paths.PROGRAM_FILE
 
@@ -40,8 +38,9 @@ STAGE = stage.Stage(
     "PyTorch → torch.export program (.pt2, dynamic dims), parity-gated against golden; source of aoti-cpu",
     keys=lambda cfg: list(cfg.program.models), deps=model_deps,
     params=lambda cfg, key: [f"models.{key}", "export.parity", *samples.params(cfg, key)],
-    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key))],
-    outs=lambda cfg, key: [stage.Out(paths.program(key).as_posix())])
+    dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key)), *roles.modules(cfg.model(key).samples)],
+    outs=lambda cfg, key: [stage.Out(paths.program(key).as_posix())],
+    help="save a model's torch.export program (.pt2), parity-checked; the source of aoti-cpu")
 
 
 @dataclass(frozen=True)
@@ -54,67 +53,6 @@ class ProgramResult:
 
 def build_model(mcfg: ModelConfig, root: Path) -> torch.nn.Module:
     return models.build(mcfg, root)
-
-
-def _widen(example: dict[str, np.ndarray], dynamic: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """torch.export specializes sizes 0 and 1: repeat each declared-dynamic axis of size 1 (P-Net's batch of one
-    pyramid level, the aligner's one face) to 2 in the example."""
-    out = {}
-    for name, v in example.items():
-        for axis in dynamic.get(name, ()):
-            if v.shape[axis] == 1:
-                v = np.repeat(v, 2, axis=axis)
-        out[name] = v
-    return out
-
-
-def export_program(model: torch.nn.Module, mcfg: ModelConfig,
-                   example: dict[str, np.ndarray]) -> torch.export.ExportedProgram:
-    """torch.export (non-strict) with params `models.<name>.dynamic` as symbolic dims; everything else static.
-
-    `example` (the first golden feed, as export.py uses) gives the input names, order and shapes; a dynamic size
-    must not be 0 or 1 in it (torch.export specializes those). `Dim.DYNAMIC` makes export fail, rather than
-    silently specialize, if the model fixes a declared-dynamic size.
-    """
-    dynamic = tuple({a: torch.export.Dim.DYNAMIC for a in mcfg.dynamic.get(name, ())} or None for name in example)
-    example = _widen(example, mcfg.dynamic)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        try:
-            return torch.export.export(model, tuple(torch.from_numpy(v) for v in example.values()),
-                                       dynamic_shapes=dynamic, strict=False)
-        except Exception as e:  # torch raises several unrelated types (UserError, GuardOnDataDependent…)
-            raise KilnError(f"models.{mcfg.name}: torch.export failed: {str(e).strip().splitlines()[0][:300]}",
-                            "the model has Python control flow on tensor values or fixes a size declared dynamic "
-                            "in models.<name>.dynamic; see torch.export's message") from None
-
-
-def program_bytes(ep: torch.export.ExportedProgram) -> bytes:
-    """The saved program without per-node Python stack traces (they hold absolute paths of the source files)."""
-    for module in ep.graph_module.modules():
-        if isinstance(module, torch.fx.GraphModule):
-            for node in module.graph.nodes:
-                node.meta.pop("stack_trace", None)
-    buf = io.BytesIO()
-    torch.export.save(ep, buf)
-    return buf.getvalue()
-
-
-def aten_ops(ep: torch.export.ExportedProgram) -> dict[str, int]:
-    ops = Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
-    return dict(sorted(ops.items()))
-
-
-def parity(ep: torch.export.ExportedProgram, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
-    """The exported program vs the golden (eager PyTorch) outputs on every feed and output, as export.py does."""
-    module = ep.module()
-
-    def run_feed(feed):
-        with torch.no_grad():
-            y = module(*(torch.from_numpy(v) for v in feed.values()))
-        return [t.numpy() for t in (y if isinstance(y, (tuple, list)) else (y,))]
-
-    return compare(run_feed, feeds, reference)
 
 
 def bytes_in_fresh_process(params: Path, model_name: str, root: Path) -> bytes:
@@ -142,7 +80,7 @@ def run(cfg, model_name: str, root: Path = Path("."), check_reproducible: bool =
     feeds = samples.feeds(cfg, model_name, "golden", root)
     _, reference = load_reference(golden_dir)
     ep, data = export_bytes(cfg, model_name, root)
-    par = parity(ep, feeds, reference)
+    par = compare(feed_runner(ep), feeds, reference)   # vs the golden (eager PyTorch) outputs, as export@ does
     max_abs = cfg.export.parity.max_abs if mcfg.parity_max_abs is None else mcfg.parity_max_abs
     min_cos = cfg.export.parity.min_cosine
     if par["max_abs"] > max_abs or par["cosine_min"] < min_cos:
@@ -181,8 +119,6 @@ def run(cfg, model_name: str, root: Path = Path("."), check_reproducible: bool =
 
 def main(argv: list[str] | None = None) -> int:
     import time
-
-    from pipeline.stages.export import print_parity
 
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--bytes-only", type=Path, metavar="FILE",

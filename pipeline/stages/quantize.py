@@ -19,30 +19,20 @@ is the later validate stage.
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 import tempfile
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from pipeline import paths, samples, stage
-from pipeline.config import Recipe
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
-from pipeline.stages.calibrate import PREPROCESS, calibration_tensors, preprocess, quantizable_op_types
-
-
-def pairs(cfg) -> dict[str, tuple[str, str]]:
-    """`<model>-<recipe>` → (model, recipe) for every quantized model × recipe."""
-    return {f"{m}-{r}": (m, r) for m in cfg.quantize.models for r, recipe in cfg.recipes.items()
-            if recipe.models is None or m in recipe.models}
-
+from pipeline.quant.calibration import PREPROCESS, preprocess, quantizable_op_types
+from pipeline.quant.contract import contract, inventory
+from pipeline.quant.qdq import load_ranges, pairs, quantize_graph, recipe_options
+from pipeline.roles import registry as roles
 
 STAGE = stage.Stage(
     "quantize", "pipeline.stages.quantize", "INT8 QDQ ONNX from the stored calibration, one per recipe",
@@ -52,14 +42,9 @@ STAGE = stage.Stage(
                            paths.golden(pairs(cfg)[key][0]).as_posix(),
                            *samples.deps(cfg, pairs(cfg)[key][0], "golden")],
     params=lambda cfg, key: [f"quantize.recipes.{pairs(cfg)[key][1]}", *samples.params(cfg, pairs(cfg)[key][0])],
-    outs=lambda cfg, key: [stage.Out(paths.quantized(*pairs(cfg)[key]).as_posix())])
-
-QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
-_DTYPE_NAMES = {onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT8: "int8", onnx.TensorProto.INT32: "int32",
-                onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16"}
-_BIASED_OPS = ("Conv", "ConvTranspose", "Gemm")
-_WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
-_ACTIVATION_TYPES = {"u8": onnx.TensorProto.UINT8, "s8": onnx.TensorProto.INT8}
+    dynamic=lambda cfg, key: roles.modules(cfg.model(pairs(cfg)[key][0]).samples),
+    outs=lambda cfg, key: [stage.Out(paths.quantized(*pairs(cfg)[key]).as_posix())],
+    help="INT8 QDQ ONNX of <model>-<recipe> from the export and its calibration ranges")
 
 
 @dataclass(frozen=True)
@@ -69,175 +54,6 @@ class QuantizeResult:
     float_nodes: list[str]            # "OpType name" of nodes with no DequantizeLinear input
     golden: dict[str, float]
     ranges: dict[str, int]
-
-
-def _dtype(t: int) -> str:
-    return _DTYPE_NAMES.get(t, onnx.TensorProto.DataType.Name(t).lower())
-
-
-def recipe_options(recipe: Recipe) -> dict:
-    """QDQQuantizer arguments for a recipe (the `extra_options` keys are those of ORT's quantize_static)."""
-    from onnxruntime.quantization import QuantType
-
-    if recipe.weights != "s8":
-        raise KilnError(f"recipe {recipe.name!r}: weights {recipe.weights!r} are not supported", "use s8")
-    return {"weight_type": QuantType.QInt8,
-            "activation_type": QuantType.QUInt8 if recipe.activations == "u8" else QuantType.QInt8,
-            "per_channel": recipe.per_channel,
-            "extra_options": {"ActivationSymmetric": recipe.symmetric_activations, "WeightSymmetric": True,
-                              "QuantizeBias": not recipe.bias_float}}
-
-
-def load_ranges(path: Path) -> dict:
-    """ranges.json as written by calibrate, checked for shape."""
-    try:
-        doc = json.loads(Path(path).read_text())
-        if not all(isinstance(r["min"], float) and isinstance(r["max"], float) and math.isfinite(r["min"])
-                   and math.isfinite(r["max"]) for r in doc["tensors"].values()):
-            raise TypeError("min/max must be finite numbers")
-    except FileNotFoundError:
-        raise KilnError(f"{path}: calibration ranges not found",
-                        f"run calibrate first (dvc repro {stage.address('calibrate')})") from None
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise KilnError(f"{path}: not a valid ranges file ({e.__class__.__name__}: {e})",
-                        f"rebuild it: dvc repro -f {stage.address('calibrate')}") from None
-    return doc
-
-
-def tensors_data(ranges: dict[str, dict[str, float]]):
-    """Precomputed ranges → ORT's TensorsData, as its MinMax calibrator would have returned them."""
-    from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
-
-    return TensorsData(CalibrationMethod.MinMax, {name: TensorData(lowest=np.float32(r["min"]),
-                                                                   highest=np.float32(r["max"]))
-                                                  for name, r in sorted(ranges.items())})
-
-
-def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recipe, dest: Path) -> dict[str, int]:
-    """QDQ-quantize the pre-processed graph `pre` with precomputed `ranges` → `dest`; returns range coverage."""
-    from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
-    from onnxruntime.quantization.quant_utils import load_model_with_shape_infer
-
-    model = load_model_with_shape_infer(pre)     # what quantize_static does; marks the model as shape-inferred
-    names = {n.name for n in model.graph.node}
-    unknown = [n for n in recipe.float_nodes if n not in names]
-    if unknown:
-        raise KilnError(f"recipe {recipe.name!r}: float_nodes {unknown} are not nodes of this graph",
-                        "take the names from `kiln compare` or the debug-precision@ report (pre-processed graph)")
-    needed = calibration_tensors(model)
-    missing = [t for t in needed if t not in ranges]
-    if missing:
-        raise KilnError(f"calibration ranges: no range for {len(missing)} of the graph's {len(needed)} activation "
-                        f"tensors (e.g. {missing[0]!r})",
-                        f"the ranges belong to another graph; rebuild: dvc repro -f {stage.address('calibrate')}")
-    opts = recipe_options(recipe)
-    # QDQQuantizer is what quantize_static drives after calibrating; ORT has no public entry point that takes
-    # precomputed ranges. Keyword arguments, ORT pinned in the lock, and tests/test_calibrate_quantize.py fails
-    # loudly if the signature changes.
-    quantizer = QDQQuantizer(model=model, per_channel=opts["per_channel"], reduce_range=recipe.reduce_range,
-                             weight_qType=opts["weight_type"], activation_qType=opts["activation_type"],
-                             tensors_range=tensors_data(ranges), nodes_to_quantize=None,
-                             nodes_to_exclude=list(recipe.float_nodes) or None,
-                             op_types_to_quantize=quantizable_op_types(), extra_options=opts["extra_options"])
-    try:
-        quantizer.quantize_model()
-    except ValueError as e:
-        raise KilnError(f"QDQ quantization failed: {str(e).splitlines()[0]}",
-                        "the ranges do not cover the graph; rebuild: "
-                        f"dvc repro -f {stage.address('calibrate')}") from None
-    # quantize_model() appends Q/DQ nodes at the end of the graph; ORT's save_model_to_file sorts it topologically
-    # (what quantize_static does). onnx.save_model on `quantized` would write a graph the ONNX checker rejects.
-    quantizer.model.save_model_to_file(str(dest))
-    try:
-        onnx.checker.check_model(str(dest), full_check=True)
-    except onnx.checker.ValidationError as e:
-        raise KilnError(f"the quantized graph is invalid: {str(e).splitlines()[0]}",
-                        "ONNX Runtime's quantizer produced a broken graph; check its version") from None
-    return {"graph_tensors": len(needed), "with_range": len(needed) - len(missing)}
-
-
-def inventory(model: onnx.ModelProto) -> dict:
-    """What a QDQ graph quantizes: DQ-fed vs float nodes, Q/DQ counts, activation zero points, weight/bias types."""
-    inits = {i.name: i for i in model.graph.initializer}
-    nodes = list(model.graph.node)
-    dq_out = {n.output[0]: n for n in nodes if n.op_type == "DequantizeLinear"}
-    quantized, floating, float_nodes = Counter(), Counter(), []
-    for n in nodes:
-        if n.op_type in QDQ_OPS:
-            continue
-        if any(i in dq_out for i in n.input):
-            quantized[n.op_type] += 1
-        else:
-            floating[n.op_type] += 1
-            float_nodes.append(f"{n.op_type} {n.name}")
-
-    bias_slots = {n.input[2] for n in nodes if n.op_type in _BIASED_OPS and len(n.input) > 2 and n.input[2]}
-    # weights: the constant input of a Conv / Gemm / MatMul; any other quantized constant (an elementwise Mul's
-    # scalar in an imported graph's input scaling, a PRelu slope) ORT quantizes like an activation: `constant_types`
-    weight_slots = {n.input[1] for n in nodes if n.op_type in _WEIGHTED_OPS and len(n.input) > 1}
-    # Every activation QuantizeLinear / DequantizeLinear node: its zero point's type and whether it is 0.
-    act_types, act_zero = Counter(), Counter()
-    weight_types, constant_types, per_channel = Counter(), Counter(), 0
-    for n in nodes:
-        if n.op_type == "QuantizeLinear" or (n.op_type == "DequantizeLinear" and n.input[0] not in inits):
-            zp = inits.get(n.input[2]) if len(n.input) > 2 else None
-            act_types["none" if zp is None else _dtype(zp.data_type)] += 1
-            act_zero["zero" if zp is None or not np.any(numpy_helper.to_array(zp)) else "nonzero"] += 1
-        elif n.op_type == "DequantizeLinear" and n.output[0] not in bias_slots and n.output[0] not in weight_slots:
-            constant_types[_dtype(inits[n.input[0]].data_type)] += 1
-        elif n.op_type == "DequantizeLinear" and n.output[0] not in bias_slots:
-            dtype = inits[n.input[0]].data_type
-            weight_types[_dtype(dtype)] += 1
-            scale = inits.get(n.input[1])
-            per_channel += (dtype == onnx.TensorProto.INT8 and scale is not None
-                            and numpy_helper.to_array(scale).size > 1)
-    biases = Counter()
-    for b in bias_slots:
-        if b in dq_out:
-            biases[_dtype(inits[dq_out[b].input[0]].data_type) if dq_out[b].input[0] in inits else "dq"] += 1
-        elif b in inits:
-            biases[_dtype(inits[b].data_type)] += 1
-        else:
-            biases["computed"] += 1
-    return {"quantized_ops": dict(sorted(quantized.items())), "float_ops": dict(sorted(floating.items())),
-            "float_nodes": float_nodes, "quantize_linear": sum(n.op_type == "QuantizeLinear" for n in nodes),
-            "dequantize_linear": sum(n.op_type == "DequantizeLinear" for n in nodes),
-            "activation_qdq_types": dict(sorted(act_types.items())),
-            "activation_qdq_zero_points": dict(sorted(act_zero.items())),
-            "weight_types": dict(sorted(weight_types.items())), "per_channel_weights": int(per_channel),
-            **({"constant_types": dict(sorted(constant_types.items()))} if constant_types else {}),
-            "bias_types": dict(sorted(biases.items()))}
-
-
-def contract(recipe: Recipe, inv: dict) -> list[str]:
-    """How the quantized graph breaks the recipe (empty = it keeps it)."""
-    problems = []
-    act = _dtype(_ACTIVATION_TYPES[recipe.activations])
-    if set(inv["activation_qdq_types"]) != {act}:
-        problems.append(f"activation Q/DQ types are {inv['activation_qdq_types']}, the recipe wants only {act}")
-    if recipe.symmetric_activations and inv["activation_qdq_zero_points"].get("nonzero", 0):
-        problems.append(f"{inv['activation_qdq_zero_points']['nonzero']} activation Q/DQ zero points are not 0")
-    if set(inv["weight_types"]) != {"int8"}:
-        problems.append(f"weights are {inv['weight_types']}, the recipe wants int8")
-    if recipe.per_channel and inv["per_channel_weights"] != sum(inv["weight_types"].values()):
-        problems.append(f"only {inv['per_channel_weights']} of {sum(inv['weight_types'].values())} weights are "
-                        "quantized per channel")
-    want_bias = "float32" if recipe.bias_float else "int32"
-    if set(inv["bias_types"]) - {want_bias}:
-        problems.append(f"biases are {inv['bias_types']}, the recipe wants {want_bias}")
-    if not sum(inv["quantized_ops"].values()):
-        problems.append("no node computes on quantized inputs")
-    return problems
-
-
-def golden_check(cfg, onnx_path: Path, root: Path, model_name: str) -> dict[str, float]:
-    """Informational: ORT CPU on the golden inputs vs the FP32 reference, golden@ (cosine / max |Δ|)."""
-    from pipeline.stages.export import parity
-    from pipeline.stages.golden import load_reference
-
-    _, reference = load_reference(paths.golden(model_name, root))
-    par = parity(onnx_path, samples.feeds(cfg, model_name, "golden", root), reference)
-    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in par.items()}
 
 
 def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> QuantizeResult:
@@ -270,7 +86,13 @@ def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> Quant
         if problems:
             raise GateFailed(f"{label}: the quantized graph breaks recipe {recipe_name!r}: {'; '.join(problems)}",
                              "ONNX Runtime's quantizer changed behaviour; inspect the graph and the recipe")
-        golden = golden_check(cfg, onnx_path, root, model_name)
+        # informational: ORT CPU on the golden inputs vs the FP32 reference, golden@ (cosine / max |Δ|)
+        from pipeline.gates.parity import parity
+        from pipeline.gates.reference import load_reference
+
+        _, reference = load_reference(paths.golden(model_name, root))
+        par = parity(onnx_path, samples.feeds(cfg, model_name, "golden", root), reference)
+        golden = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in par.items()}
         from onnxruntime import __version__ as ort_version
 
         opts = recipe_options(recipe)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline import paths, stage
 from pipeline.registry import registration as reg
-from pipeline.stages.register import print_receipt, write_receipt
+from pipeline.registry.receipts import print_receipt, write_receipt
 
 STAGE = stage.Stage(
     "register-index", "pipeline.stages.register_index",
@@ -16,10 +16,11 @@ STAGE = stage.Stage(
     keys=lambda cfg: [str(s) for s in cfg.matching.gallery_sizes],
     deps=lambda cfg, key: [paths.index(int(key)).as_posix(), paths.matching(int(key)).as_posix()],
     params=lambda cfg, key: ["register.experiment"],
-    outs=lambda cfg, key: [stage.Out(paths.receipt(paths.gallery_name(int(key))).as_posix(), cache=False)])
+    outs=lambda cfg, key: [stage.Out(paths.receipt(paths.gallery_name(int(key))).as_posix(), cache=False)],
+    help="register a gallery's chosen index in MLflow as kiln-gallery-<size>")
 
 
-def run_index(cfg, size: int, root: Path = Path(".")) -> reg.Receipt:
+def run(cfg, size: int, root: Path = Path(".")) -> reg.Receipt:
     art = reg.index_registrable(cfg, size, root)
     receipt = reg.register(cfg, art, root)
     write_receipt(cfg, STAGE, str(size), art, receipt, root)
@@ -28,7 +29,7 @@ def run_index(cfg, size: int, root: Path = Path(".")) -> reg.Receipt:
 
 def main(argv: list[str] | None = None) -> int:
     def body(args, run_) -> int:
-        print_receipt(f"register-index@{args.key}", run_index(args.cfg, int(args.key)), run_)
+        print_receipt(f"register-index@{args.key}", run(args.cfg, int(args.key)), run_)
         return 0
 
     return stage.main(STAGE, body, argv, key_help="gallery size from matching.gallery_sizes")

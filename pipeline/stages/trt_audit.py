@@ -12,27 +12,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths, stage, targets
-from pipeline.errors import GateFailed, KilnError
+from pipeline import paths, stage
+from pipeline.errors import GateFailed
 from pipeline.manifest import json_bytes, write_bytes_atomic
-from pipeline.targets.tensorrt import static_audit
-
-TARGET = "tensorrt"
-
-
-def _int8_source(cfg, model: str) -> list[str]:
-    recipe = targets.options(cfg, TARGET).int8_recipe
-    return [paths.quantized(model, recipe).as_posix()] if model in cfg.quantize.models and recipe in cfg.recipes else []
-
+from pipeline.targets.trt_static import TARGET, audited_models, audits, int8_source, report_path
 
 STAGE = stage.Stage(
     "trt-audit", "pipeline.stages.trt_audit",
     "GPU-free TensorRT ONNX-parser audit of the ONNX the model's tensorrt engines build from (exit 1 = would not "
     "parse)",
-    keys=lambda cfg: list(cfg.models) if TARGET in cfg.targets else [],
-    deps=lambda cfg, key: [paths.export(key).as_posix(), *_int8_source(cfg, key)],
+    keys=audited_models,
+    deps=lambda cfg, key: [paths.export(key).as_posix(), *int8_source(cfg, key)],
     params=lambda cfg, key: [f"targets.{TARGET}.static_audit"],
-    outs=lambda cfg, key: [stage.Out(report_path(key).as_posix())])   # cached: another host pulls it for fallback-table
+    outs=lambda cfg, key: [stage.Out(report_path(key).as_posix())],     # cached: another host pulls it for fallback-table
+    help="check without a GPU that TensorRT's ONNX parser would accept a model's ONNX")
 
 
 @dataclass(frozen=True)
@@ -40,34 +33,6 @@ class TrtAuditResult:
     path: Path
     report: dict
     failures: list[str]
-
-
-def report_path(model: str, root: Path = Path(".")) -> Path:
-    return paths.reports(root) / "trt-audit" / f"{paths.slug(model, 'model')}.json"
-
-
-def source_for(cfg, model: str, precision: str, root: Path) -> tuple[Path, str]:
-    """The ONNX a `precision` TensorRT engine of `model` is built from, and how it is named in reports."""
-    if precision == "int8":
-        recipe = targets.options(cfg, TARGET).int8_recipe
-        return paths.quantized(model, recipe, root) / "model.onnx", f"artifacts/quantized/{model}-{recipe}"
-    return paths.export(model, root) / "model.onnx", f"artifacts/export/{model}"
-
-
-def audits(cfg, model: str, root: Path = Path(".")) -> list[dict]:
-    """One entry per audited precision: the static audit summary, or why it was skipped (no such ONNX here)."""
-    if TARGET not in cfg.targets:
-        raise KilnError(f"{cfg.source}: targets: no `{TARGET}` entry", "add targets.tensorrt (see params.yaml)")
-    cfg.model(model)
-    opts = targets.options(cfg, TARGET)
-    out = []
-    for precision in opts.audit_precisions:
-        onnx_path, label = source_for(cfg, model, precision, root)
-        if not onnx_path.is_file():
-            out.append({"precision": precision, "onnx": label, "skipped": f"{label}/model.onnx not built"})
-            continue
-        out.append({"onnx": label, **static_audit(onnx_path, precision).summary()})
-    return out
 
 
 def run(cfg, model: str, root: Path = Path(".")) -> TrtAuditResult:

@@ -28,7 +28,8 @@ STAGE = stage.Stage(
     params=lambda cfg, key: [f"engines.{key}", f"targets.{cfg.engine(key).target}"],
     targets=lambda cfg, key: [cfg.engine(key).target],
     dynamic=lambda cfg, key: [targets.module(cfg.engine(key).target)],
-    outs=lambda cfg, key: [stage.Out(paths.tuning(key).as_posix())])
+    outs=lambda cfg, key: [stage.Out(paths.tuning(key).as_posix())],
+    help="search kernel schedules for a tunable engine (tvm: MetaSchedule); the database is cached")
 
 
 def run(cfg, engine_name: str, root: Path = Path(".")) -> tuple[Path, dict]:

@@ -143,13 +143,3 @@ def validate_options(model: type, raw: dict[str, Any], target: str) -> Any:
         raise KilnError(f"targets.{target}.{key}: {err['msg'].rstrip('.')} (got {err.get('input')!r})",
                         "fix the value in params.yaml") from None
 
-
-def synthetic_feed(kind: str, input_shape: tuple[int, ...], batch: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """A synthetic feed of `batch` samples with realistic value ranges, for latency (not accuracy) measurement."""
-    rng = np.random.default_rng(seed)
-    if kind == "aligner":  # one image of input_shape, `batch` faces to cut out of it
-        theta = np.tile(np.array([[[1.0, 0.0, 20.0], [0.0, 1.0, 20.0]]], np.float32), (batch, 1, 1))
-        return {"image": rng.uniform(0, 255, (1, *input_shape)).astype(np.float32), "theta": theta}
-    # chips: pixels 0..255; RetinaFace: BGR pixels minus its mean; MTCNN nets: normalised pixels
-    low, high = {"chips": (0.0, 255.0), "retinaface": (-127.0, 151.0)}.get(kind, (-1.0, 1.0))
-    return {"input": rng.uniform(low, high, (batch, *input_shape)).astype(np.float32)}

@@ -40,9 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from pipeline import toolchain
 from pipeline.errors import KilnError
 from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
-from pipeline.targets.tensorrt import (PRECISIONS, BuildPlan, ParserRejected, TrtRunner, _apply_plan, compute_nodes,
-                                       host_platform, inspector_audit, norm_dtype, onnx_bytes, parse_network,
-                                       prepare_onnx)
+from pipeline.targets.tensorrt import BuildPlan, ParserRejected, TrtRunner, _apply_plan, host_platform, parse_network
+from pipeline.targets.trt_inspector import inspector_audit, norm_dtype
+from pipeline.targets.trt_onnx import PRECISIONS, compute_nodes, onnx_bytes, prepare_onnx
 
 MODULE = "tensorrt_rtx_bindings"
 LIBS = "tensorrt-rtx-cu13-libs"

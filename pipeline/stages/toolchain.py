@@ -24,13 +24,14 @@ from pipeline.manifest import write_bytes_atomic
 from pipeline.targets.base import Toolchain
 
 STAGE = stage.Stage(
-    "toolchain", "pipeline.stages.fingerprint",
+    "toolchain", "pipeline.stages.toolchain",
     "toolchain fingerprints of every configured target + Python package versions (one cheap process; a file "
     "changes only when a fingerprint does)",
     # persist: DVC must not delete them before the stage runs, or every run would rewrite them
     outs=lambda cfg, key: [stage.Out(paths.toolchain_file(t).as_posix(), cache=False, persist=True)
                            for t in cfg.targets] + [stage.Out(stage.PYTHON_TOOLCHAIN, cache=False, persist=True)],
-    always_changed=True)
+    always_changed=True,
+    help="write every target's toolchain fingerprint and the Python package versions")
 
 
 def all_packages() -> list[str]:

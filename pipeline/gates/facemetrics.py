@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pipeline.vectors import as_l2
+
 # metric, comparison, limit key in params.yaml `validate:`
 EMBEDDER_GATE = (("cosine_min", ">=", "cosine_min"), ("cosine_mean", ">=", "cosine_mean"), ("l2_max", "<=", "l2_max"),
                  ("top1_agreement", ">=", "top1_agreement_min"),
@@ -32,17 +34,6 @@ def gate(m: Mapping[str, float], limits: Mapping[str, Any]) -> list[str]:
 
 def _pairwise(e: np.ndarray) -> np.ndarray:
     return np.linalg.norm(e[:, None] - e[None], axis=-1)
-
-
-def as_l2(emb: np.ndarray, threshold: float, metric: str = "l2") -> tuple[np.ndarray, float]:
-    """(embeddings, L2 threshold) in which a face system with this metric decides by L2 distance: cosine models
-    compare unit-normalized embeddings, where cosine ≥ t is exactly L2 < sqrt(2 − 2t)."""
-    if metric == "l2":
-        return emb, threshold
-    if metric != "cosine":
-        raise ValueError(f"unknown metric {metric!r}")
-    unit = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-30)
-    return unit, float(np.sqrt(max(0.0, 2.0 - 2.0 * threshold)))
 
 
 def face_metrics(got: np.ndarray, ref: np.ndarray, labels: np.ndarray, gallery: np.ndarray,

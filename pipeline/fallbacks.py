@@ -1,53 +1,21 @@
-"""fallback-table: for every model × target × precision, how many compute nodes run natively, which fall back.
-
-Sources, labelled in every row:
-
-* `engine` — a built engine's manifest, `results.audit` (ort-cpu, aoti-cpu, tensorrt built on a GPU host, or
-  tensorrt-rtx: the builder's own layer list, noted "built only", with any disagreement with the static rules);
-  a target that also asked about another device notes it (OpenVINO's NPU query, LiteRT's Edge TPU rules);
-* `static` — for a TensorRT engine not built on this host: trt_rules' audit of the ONNX the engine would be built
-  from (read from artifacts/reports/trt-audit/<model>.json, or computed if that report is absent). Static rows say
-  `parses: false` where the TensorRT ONNX parser would reject the graph (the engine would not build at all);
-* `missing` — an engine in params.yaml that is neither built here nor statically auditable.
-
-Writes artifacts/reports/fallback.json (a list of flat rows: DVC plots-friendly) and fallback.md (a table).
-"""
+"""The native-vs-fallback table: for every model × target × precision, how many compute nodes run natively and
+which fall back — from each built engine's manifest (`results.audit`, with notes on the devices its target also
+asked about), statically for a TensorRT engine not built here (trt_static), else `missing` — as flat rows
+(DVC plots-friendly) and a markdown table."""
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths, stage, tables
+from pipeline import paths, tables
 from pipeline.config import PRECISIONS
-from pipeline.manifest import json_bytes, manifest_path, write_bytes_atomic
-from pipeline.stages import trt_audit
+from pipeline.manifest import manifest_path
+from pipeline.targets import trt_static
 
 STATIC_TARGETS = ("tensorrt",)
-
-STAGE = stage.Stage(
-    "fallback-table", "pipeline.stages.fallback",
-    "native vs fallback compute nodes per model × target × precision (built engines' audits; static for tensorrt)",
-    deps=lambda cfg, key: [paths.engine(e).as_posix() for e in cfg.engines]
-    # each audit report by its own path: `dvc repro --pull` fetches a missing dep as an output, which a directory
-    # holding outputs is not
-    + [trt_audit.report_path(m).as_posix() for m in trt_audit.STAGE.keys(cfg)],
-    params=lambda cfg, key: ["engines", "targets"],
-    outs=lambda cfg, key: [stage.Out((paths.reports() / "fallback.md").as_posix(), cache=False),
-                           stage.Out((paths.reports() / "fallback.json").as_posix(), cache=False, kind="plots",
-                                     plot={"template": "bar_horizontal", "x": "fallback_nodes", "y": "row",
-                                           "title": "compute nodes falling back from the requested precision"})])
-
-
-@dataclass(frozen=True)
-class FallbackResult:
-    rows: list[dict]
-    json_path: Path
-    md_path: Path
 
 
 def _row(model: str, target: str, precision: str, engine: str, source: str, audit: dict | None,
@@ -84,10 +52,10 @@ def device_notes(query: dict) -> list[str]:
 
 
 def _static_entries(cfg, model: str, root: Path) -> list[dict]:
-    report = trt_audit.report_path(model, root)
+    report = trt_static.report_path(model, root)
     if report.is_file():
         return json.loads(report.read_text())["audits"]
-    return trt_audit.audits(cfg, model, root)
+    return trt_static.audits(cfg, model, root)
 
 
 def rows(cfg, root: Path = Path(".")) -> list[dict]:
@@ -144,26 +112,3 @@ def markdown(rows_: list[dict]) -> str:
             "`engine`: the built engine's audit. `static`: TensorRT's ONNX-parser rules applied to the ONNX the engine "
             "would be built from (no GPU here). Compute nodes: Conv, ConvTranspose, MatMul, Gemm (+ Add, Mul, pools "
             "when they run natively).\n\n" + table(rows_) + "\n")
-
-
-def run(cfg, root: Path = Path(".")) -> FallbackResult:
-    found = rows(cfg, root)
-    d = paths.reports(root)
-    jp, mp = d / "fallback.json", d / "fallback.md"
-    write_bytes_atomic(jp, json_bytes(found))
-    write_bytes_atomic(mp, markdown(found).encode())
-    return FallbackResult(found, jp, mp)
-
-
-def main(argv: list[str] | None = None) -> int:
-    def body(args, run_) -> int:
-        r = run(args.cfg)
-        print(table(r.rows))
-        print(f"→ {r.json_path}, {r.md_path}")
-        return 0
-
-    return stage.main(STAGE, body, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

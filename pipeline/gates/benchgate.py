@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from pipeline import paths
-from pipeline.stage import address
+from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_path, verify_manifest,
                                write_json_atomic, write_manifest)

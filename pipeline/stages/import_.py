@@ -18,11 +18,12 @@ from pathlib import Path
 
 import onnx
 
-from pipeline import models, onnx_import, opsupport, paths, samples, stage, targets
+from pipeline import onnx_import, opsupport, paths, samples, stage, targets
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, write_manifest
-from pipeline.stages.export import check_graph, parity
-from pipeline.stages.golden import load_reference, source_inputs
+from pipeline.gates.parity import check_graph, model_deps, parity
+from pipeline.gates.reference import load_reference, source_inputs
+from pipeline.roles import registry as roles
 
 
 def onnx_models(cfg) -> list[str]:
@@ -30,13 +31,14 @@ def onnx_models(cfg) -> list[str]:
 
 
 STAGE = stage.Stage(
-    "import", "pipeline.stages.imports",
+    "import", "pipeline.stages.import_",
     "a user's ONNX file: pinned, made runnable, weights folded to FP32, dynamic batch, checked, parity-gated",
     keys=onnx_models,
-    deps=lambda cfg, key: [*models.weight_deps(cfg.model(key)), paths.golden(key).as_posix(),
-                           *samples.deps(cfg, key, "golden")],
+    deps=model_deps,
     params=lambda cfg, key: [f"models.{key}", "export.parity", *samples.params(cfg, key)],
-    outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())])
+    dynamic=lambda cfg, key: roles.modules(cfg.model(key).samples),
+    outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())],
+    help="import a model delivered as ONNX: check its pins, make it runnable, prove parity with its golden outputs")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from pathlib import Path
 from pipeline import compare, paths, samples, stage
 from pipeline.manifest import (build_manifest, input_ref, json_bytes, manifest_path, read_verified,
                                write_bytes_atomic, write_manifest)
-from pipeline.stages.quantize import pairs
+from pipeline.quant.qdq import pairs
+from pipeline.roles import registry as roles
 
 MIN_SNR_DB = 20.0          # a tensor below this SNR is a bad layer (relative error power 1 %)
 BATCH = 16
@@ -29,17 +30,19 @@ def directory(key: str, root: Path = Path(".")) -> Path:
 
 
 STAGE = stage.Stage(
-    "debug-precision", "pipeline.stages.precision",
+    "debug-precision", "pipeline.stages.debug_precision",
     "layer-wise FP32 vs INT8 report of a quantized model on its golden feed (SNR per layer, first bad layer)",
     keys=lambda cfg: list(pairs(cfg)),
     deps=lambda cfg, key: [paths.export(pairs(cfg)[key][0]).as_posix(),
                            paths.quantized(*pairs(cfg)[key]).as_posix(),
                            *samples.deps(cfg, pairs(cfg)[key][0], "golden")],
     params=lambda cfg, key: [f"quantize.recipes.{pairs(cfg)[key][1]}", *samples.params(cfg, pairs(cfg)[key][0])],
+    dynamic=lambda cfg, key: roles.modules(cfg.model(pairs(cfg)[key][0]).samples),
     outs=lambda cfg, key: [stage.Out((directory(key) / LAYERS_FILE).as_posix(), kind="plots",
                                      plot={"template": "linear", "x": "depth", "y": "snr_db",
                                            "title": "INT8 vs FP32: SNR (dB) of each layer by depth"}),
-                           stage.Out(manifest_path(directory(key), key).as_posix())])
+                           stage.Out(manifest_path(directory(key), key).as_posix())],
+    help="layer-wise FP32 vs INT8 report of a quantized model (SNR per layer, first bad one)")
 
 
 @dataclass(frozen=True)

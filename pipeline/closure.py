@@ -1,0 +1,122 @@
+"""A stage's code, derived: the `pipeline/` files its module imports (any depth), their digests, and the versions of
+the third-party distributions they import.
+
+The closure is static: every `import` anywhere in a module counts (function-level imports included, `if
+TYPE_CHECKING:` blocks excepted), and importing `a.b.c` runs `a/__init__.py` and `a/b/__init__.py` too. A module
+loaded by name (a model's factory, an engine's target) is added by the stage's declaration. dvc.yaml lists these
+files as the stage's deps and the stage records their digests in its manifests, so both say the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from pipeline.checkout import PACKAGE, REPO
+
+
+def module_file(name: str) -> Path | None:
+    """`pipeline.stages.export` → pipeline/stages/export.py (or a package's __init__.py); None if not ours."""
+    if name != PACKAGE and not name.startswith(PACKAGE + "."):
+        return None
+    base = REPO.joinpath(*name.split("."))
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def project_module(name: str, root: Path = Path(".")) -> Path | None:
+    """A module outside pipeline/ that lives in the project (a user's own model factory): its file, else None."""
+    base = Path(root).resolve().joinpath(*name.split("."))
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+@lru_cache(maxsize=None)
+def _direct(path: Path, mtime_ns: int) -> tuple[frozenset[str], frozenset[str]]:
+    """(our modules, third-party top-level names) a file imports anywhere, except under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text(), str(path))
+    ours, theirs = set(), set()
+
+    def visit(node: ast.AST) -> None:
+        if _is_type_checking(node):
+            return
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for n in names:
+            top = n.split(".")[0]
+            if top == PACKAGE:
+                if module_file(n):
+                    ours.add(n)
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                theirs.add(top)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return frozenset(ours), frozenset(theirs)
+
+
+def closure(modules: list[str]) -> tuple[list[str], list[str]]:
+    """(repo-relative files, third-party top-level import names) of everything `modules` import, transitively.
+
+    Importing `a.b.c` runs `a/__init__.py` and `a/b/__init__.py` too, so parent packages count."""
+    seen: set[str] = set()
+    files: set[Path] = set()
+    theirs: set[str] = set()
+    todo = list(modules)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+        path = module_file(name) or project_module(name)
+        if path is None:                 # an installed package (a user's factory from PyPI): a package version
+            theirs.add(name.split(".")[0])
+            continue
+        files.add(path)
+        ours, others = _direct(path, path.stat().st_mtime_ns)
+        todo.extend(ours)
+        theirs |= others
+    return sorted(_relative(p) for p in files), sorted(theirs)
+
+
+def _relative(p: Path) -> str:
+    """A code file as dvc.yaml lists it: relative to the checkout (pipeline/), or to the project (a user's module)."""
+    try:
+        return p.relative_to(REPO).as_posix()
+    except ValueError:
+        return p.relative_to(Path(".").resolve()).as_posix()
+
+
+@lru_cache(maxsize=None)
+def _distributions() -> dict[str, list[str]]:
+    from importlib import metadata
+
+    return metadata.packages_distributions()
+
+
+def distributions(top_level: list[str]) -> list[str]:
+    """Import names → installed distribution names (`PIL` → pillow); a missing one keeps its import name."""
+    dists = _distributions()
+    return sorted({d.lower() for t in top_level for d in dists.get(t, [t])})
+
+
+def code_digests(files: list[str]) -> dict[str, str]:
+    from pipeline.manifest import file_digests
+
+    return {f: file_digests(REPO / f if (REPO / f).is_file() else Path(f), sha256=False)["xxh3_128"] for f in files}

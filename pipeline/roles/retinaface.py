@@ -1,0 +1,50 @@
+"""The single-shot detector role (`samples: retinaface`): one whole photo → every face's box, score and landmarks.
+
+Feeds: one per photo (the calibration set's variants too), preprocessed as the family wants (BGR minus its mean,
+pipeline/models/retinaface.py) — no reference detector involved. It comes as an ONNX file, whose three outputs
+(loc, conf, landmarks) import@ checks; its reference and gate run that original on ONNX Runtime. The gate decodes
+the engine's and the reference's outputs on every photo and compares the faces, and the face / non-face decisions on
+skimage's lfw_subset (pipeline/gates/detection.py), against params.yaml `validate.detector`. A face system decodes
+it with the model's `decode:` thresholds (`detect`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.roles.base import DETECTOR_CHECKS, Feed, Outputs, Role
+
+
+class RetinaFace(Role):
+    name = "retinaface"
+    task = "detect"
+    feed_range = (-127.0, 151.0)          # BGR pixels minus its mean
+    outputs = Outputs(3, 3, "a RetinaFace detector has 3 outputs of rank 3: loc (batch, anchors, 4), conf "
+                            "(…, 2), landmarks (…, 10)")
+    onnx_only = True
+    key_metric, direction, accuracy_label = "box_iou_min", 1, "box IoU min"
+    metrics = "pipeline.gates.detection:retinaface_metrics"
+    limits_section = "detector"
+    checks = DETECTOR_CHECKS
+    fixed_limits = (("none", 0),)
+
+    def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
+        from pipeline import samples
+        from pipeline.models import retinaface
+
+        for rgb in samples.photo_variants(cfg, set_name, root):
+            yield {"input": retinaface.preprocess(rgb)}
+
+    def detect(self, rgb: np.ndarray, run: Callable, mcfg) -> list:
+        """Faces in one RGB photo; `run` maps the preprocessed input to (loc, conf, landmarks)."""
+        from pipeline.models import retinaface
+
+        decode = mcfg.decode
+        return retinaface.detect(rgb, run, retinaface.DecodeConfig(**({} if decode is None else {
+            "score_threshold": decode.score_threshold, "nms_threshold": decode.nms_threshold})))
+
+
+RETINAFACE = RetinaFace()
