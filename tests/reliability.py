@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -53,18 +55,43 @@ def whole_or_absent(d: Path) -> None:
         assert manifests and not verify_manifest(manifests[0]), (d, list(d.iterdir()))
 
 
-def kill_after(root: Path, seconds: float, *args: str, env: dict | None = None) -> None:
+def _began(p: subprocess.Popen, armed: Callable[[], bool], limit_s: float = 600) -> bool:
+    """Poll until `armed()` holds (True) or the process ended (False)."""
+    t_end = time.monotonic() + limit_s
+    while not armed():
+        if p.poll() is not None:
+            return False
+        if time.monotonic() > t_end:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            pytest.fail(f"{p.args}: the awaited phase did not begin within {limit_s:.0f} s")
+        time.sleep(0.002)
+    return True
+
+
+def kill_after(root: Path, seconds: float, *args: str, env: dict | None = None,
+               armed: Callable[[], bool] | None = None, landed: Callable[[], bool] | None = None,
+               reset: Callable[[], None] | None = None) -> None:
     """Start a command, SIGKILL it (and its children) after `seconds`: a crash, not a clean stop. A run that ends
-    sooner (a noisy machine) is tried again with half the delay."""
+    sooner (a noisy machine) is tried again with half the delay.
+
+    To kill inside one phase of the run: the clock starts when `armed()` first holds (the phase has begun, e.g. its
+    temporary file appeared) instead of at the start, and `landed()`, asked after the kill, says whether the kill
+    hit that phase; a kill that missed it is tried again like a run that ended sooner, after `reset()`."""
     for delay in (seconds, seconds / 2, seconds / 4):
+        if reset is not None:
+            reset()
         p = spawn(root, *args, env=env)
+        if armed is not None and not _began(p, armed):
+            continue                    # ended before the phase was seen
         try:
             p.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-            return
-    pytest.fail(f"{args} always finished before it could be killed")
+            if landed is None or landed():
+                return
+    pytest.fail(f"{args} always finished before it could be killed" + (" in the phase" if armed else ""))
 
 
 def versions(db: Path | str, name: str) -> list[int]:

@@ -1,7 +1,8 @@
 """Several build hosts on loopback: one OpenSSH DVC remote, one `mlflow server` on PostgreSQL, four checkouts.
 
-Host A is a copy of the default DAG that tests/test_dvc_pipeline.py builds (the `built_dag` fixture): this file
-runs on the other xdist worker while that one's tests change their own copy."""
+Host A is a copy of the default DAG that the session fixture `built_dag` (tests/conftest.py) builds once per run:
+its own copy (`hosts`), so this file runs on one xdist worker while tests/test_dvc_pipeline.py's tests change theirs
+on the other, and neither file imports the other."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
-from pipeline.stage import address, dvc_files
-from test_dvc_pipeline import TOOLCHAIN, built_dag, dvc, kiln, ran, restored  # noqa: F401  (built_dag: a fixture)
+from conftest import REPO, TOOLCHAIN, dvc, kiln, ran, restored
+from pipeline.dvcfiles import address, dvc_files
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,7 @@ lost registry is filled again."""
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -19,10 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, render_in_chromium
-from pipeline.stage import address, bare, dvc_files, read_locks
-
-TOOLCHAIN = "toolchain"        # the always-changed probe (toolchain/dvc.yaml); stage names below are bare names
+from conftest import REPO, TOOLCHAIN, dag_env, dvc, kiln, ran, render_in_chromium
+from pipeline.dvcfiles import address, bare, read_locks
 
 # Lock entries a rebuild cannot reproduce, and why (docs/reproducibility.md: "A fresh clone at another path").
 # toolchain/dvc.lock is not compared at all: it is the host's fingerprint (its CPU flags, compiler), probed on
@@ -36,71 +32,6 @@ NOT_REPRODUCIBLE = {
 }
 
 
-def _small_galleries(params: Path) -> None:
-    """Only the 10k gallery in the copy: 100k and 1M cost minutes (bench/matching.py measures them)."""
-    text, n = re.subn(r"(?m)^(  gallery_sizes:)\s*\[[^\]]*\]", r"\1 [10000]", params.read_text())
-    assert n == 1, "params.yaml: matching.gallery_sizes not found as a one-line list"
-    params.write_text(text)
-
-
-def _report_speed_gates(params: Path) -> None:
-    """The INT8 ≥ FP32 speed gate is a timing on a shared machine: in the copy it reports, it does not fail."""
-    text, n = re.subn(r"(?m)^(  int8_min_speedup:)\s*[0-9.]+", r"\1 0.0", params.read_text())
-    assert n == 1, "params.yaml: bench.int8_min_speedup not found"
-    params.write_text(text)
-
-
-def _short_bench(params: Path) -> None:
-    """Timings are records (never compared): in the copy each engine × batch is timed 0.3 s, not 2 s."""
-    text = params.read_text()
-    for key, value in (("min_seconds", "0.3"), ("min_runs", "10"), ("warmup", "3")):
-        text, n = re.subn(rf"(?m)^(  {key}:)\s*[0-9.]+", rf"\g<1> {value}", text)
-        assert n == 1, f"params.yaml: bench.{key} not found"
-    params.write_text(text)
-
-
-def _copy_worktree(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for f in filter(None, files):
-        if (REPO / f).is_file():
-            (dest / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dest / f)
-    for f in dvc_files(dest):
-        f.with_name("dvc.lock").unlink(missing_ok=True)
-    _small_galleries(dest / "params.yaml")
-    _report_speed_gates(dest / "params.yaml")
-    _short_bench(dest / "params.yaml")
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snapshot"]):
-        subprocess.run(cmd, cwd=dest, check=True)
-    return dest
-
-
-def _env(root: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the clone's own SQLite registry
-    env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", PYTHONPATH=str(root))
-    return env
-
-
-def dvc(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=root,
-                          env={**_env(root), **(env or {})}, capture_output=True, text=True)
-
-
-def kiln(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=root, env={**_env(root), **(env or {})},
-                          capture_output=True, text=True)
-
-
-def ran(out: str) -> set[str]:
-    return {bare(line.split("'")[1]) for line in out.splitlines() if line.startswith("Running stage '")}
-
-
-def restored(out: str) -> set[str]:
-    return {bare(line.split("'")[1]) for line in out.splitlines() if "is cached - skipping run" in line}
-
-
 def stale(root: Path) -> set[str]:
     r = dvc(root, "status", "--json")
     assert r.returncode == 0, r.stderr
@@ -110,32 +41,6 @@ def stale(root: Path) -> set[str]:
 def resolved_deps(root: Path) -> dict[str, set[str]]:
     """Each stage's deps as DVC resolved them (from the dvc.lock files, which name every stage and its deps)."""
     return {name: {d["path"] for d in s.get("deps", [])} for name, s in read_locks(root).items()}
-
-
-@pytest.fixture(scope="session")
-def built_dag(tmp_path_factory, worker_id) -> dict[str, Path]:
-    """The default DAG built once per test run, in a copy of the working tree at another path (`build`), and a
-    copy of the built project (`hosts`) for tests/test_build_hosts.py, which runs on the other xdist worker while
-    this file's tests change `build`. The first worker to ask builds both; the other waits on a file lock."""
-    shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":                     # each xdist worker has its own basetemp under the run's
-        shared = shared.parent
-    build, hosts, failed = shared / "dag-build", shared / "dag-hosts", shared / "dag-build.failed"
-    with open(shared / "dag-build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if failed.exists():
-            pytest.fail(failed.read_text())
-        if not hosts.exists():
-            build.mkdir()
-            root = _copy_worktree(build)
-            r = kiln(root, "dag", "--write")                  # the copy has one gallery size: its own dvc.yaml
-            first = dvc(root, "repro") if r.returncode == 0 else r
-            if first.returncode != 0:
-                failed.write_text("the default DAG did not build:\n" + first.stdout[-3000:] + first.stderr[-3000:])
-                pytest.fail(failed.read_text())
-            shutil.copytree(build, shared / "dag-hosts.tmp", symlinks=True)
-            (shared / "dag-hosts.tmp").rename(hosts)
-    return {"build": build, "hosts": hosts}
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +281,7 @@ def test_an_auditor_traces_and_verifies_the_released_int8_engine(repo, tmp_path)
         shas.append(re.search(r"sha256 ([0-9a-f]{64})", r.stdout).group(1))
     assert shas[0] == shas[1], "the same version released twice must give the same archive"
     archive = tmp_path / "first" / f"{name}-v1.tar.gz"
-    offline = {**_env(repo), "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}
+    offline = {**dag_env(repo), "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}
     v = subprocess.run([sys.executable, "-m", "pipeline.cli", "verify-release", str(archive), "--key",
                         f"{key}.pub"], cwd=tmp_path, env=offline, capture_output=True, text=True)
     assert v.returncode == 0 and "verified offline" in v.stdout, v.stdout + v.stderr
@@ -450,15 +355,31 @@ def test_rebuild_check_refuses_what_is_not_a_build(repo):
 
 
 @pytest.mark.slow
-def test_a_lost_registry_is_filled_again_by_sync(repo):
-    (repo / "mlflow.db").unlink()
-    shutil.rmtree(repo / "mlruns")
-    r = kiln(repo, "registry", "sync")
-    assert r.returncode == 0, r.stderr
-    engines = yaml.safe_load((repo / "params.yaml").read_text())["engines"]
-    assert r.stdout.count("registered new version") == len(engines) + 1, r.stdout    # every engine, 1 gallery index
-    again = kiln(repo, "registry", "sync")
-    assert again.returncode == 0 and "registered new version" not in again.stdout
+def test_a_lost_registry_is_filled_again_by_sync(repo, tmp_path):
+    """The built copy's registry (mlflow.db + mlruns/) is lost; `registry sync` fills a new one. The copy is shared
+    by this file's tests: its registry is moved aside, not deleted, and put back afterwards, so no test depends on
+    whether this one ran before it."""
+    kept = {name: tmp_path / "kept" / name for name in ("mlflow.db", "mlruns")}
+    kept["mlflow.db"].parent.mkdir()
+    assert all((repo / name).exists() for name in kept), "the built DAG registered nothing"
+    try:
+        for name, aside in kept.items():
+            shutil.move(repo / name, aside)
+        r = kiln(repo, "registry", "sync")
+        assert r.returncode == 0, r.stderr
+        engines = yaml.safe_load((repo / "params.yaml").read_text())["engines"]
+        assert r.stdout.count("registered new version") == len(engines) + 1, r.stdout  # every engine, 1 gallery index
+        again = kiln(repo, "registry", "sync")
+        assert again.returncode == 0 and "registered new version" not in again.stdout
+    finally:
+        for name, aside in kept.items():
+            if not aside.exists():                                  # never moved: still the original
+                continue
+            if (repo / name).is_dir():
+                shutil.rmtree(repo / name)
+            else:
+                (repo / name).unlink(missing_ok=True)
+            shutil.move(aside, repo / name)
 
 
 @pytest.mark.slow

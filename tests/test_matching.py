@@ -355,7 +355,7 @@ def test_matching_config_rejects_impossible_targets(tmp_path):
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
     raw["matching"]["targets"]["recall_at_1_min"] = 1.01
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(raw))
-    with pytest.raises(KilnError, match=r"match.targets.recall_at_1_min: .*less than or equal to 1") as e:
+    with pytest.raises(KilnError, match=r"matching.targets.recall_at_1_min: .*less than or equal to 1") as e:
         config.load(tmp_path / "p.yaml")
     assert e.value.hint
     raw["matching"]["targets"]["recall_at_1_min"] = 0.99

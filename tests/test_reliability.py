@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -341,19 +340,51 @@ def test_eight_first_uses_of_a_new_sqlite_registry_at_once(project, tmp_path):
     assert not list(db.parent.glob(".mlflow.db.init-*"))
 
 
-@pytest.mark.parametrize("delay", [0.4, 1.2, 2.5])
-def test_a_kill_during_the_first_migration_leaves_a_usable_registry(project, tmp_path, delay):
-    """[sqlite first use] A kill -9 during the first register left a half-migrated schema and tracebacks."""
+def _migrating(db: Path) -> list[Path]:
+    """The temporary file a first use migrates a new SQLite registry in (renamed to `db` when complete)."""
+    return list(db.parent.glob(f".{db.name}.init-*"))
+
+
+@pytest.fixture(scope="module")
+def migration_s(project, tmp_path_factory) -> float:
+    """How long a first `kiln register` on a new SQLite registry spends migrating it, on this host now: from its
+    temporary file appearing to the migrated file's rename (one uninterrupted run, polled every 2 ms)."""
+    db = tmp_path_factory.mktemp("migration") / "mlflow.db"
+    p = spawn(project, "register", ENGINE, env={"MLFLOW_TRACKING_URI": f"sqlite:///{db}"})
+    began = ended = None
+    while p.poll() is None and ended is None:
+        now = time.perf_counter()
+        if began is None and _migrating(db):
+            began = now
+        if began is not None and db.exists():
+            ended = now
+        time.sleep(0.002)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-3000:]
+    assert began is not None and ended is not None, "the migration was not seen: its temporary file moved?"
+    print(f"\nfirst use: the migration took {ended - began:.2f} s")
+    return ended - began
+
+
+@pytest.mark.parametrize("at", [0.1, 0.5, 0.9])
+def test_a_kill_during_the_first_migration_leaves_a_usable_registry(project, tmp_path, migration_s, at):
+    """[sqlite first use] A kill -9 during the first register left a half-migrated schema and tracebacks. The kill
+    lands `at` of the way through the migration (its measured length, counted from its temporary file appearing),
+    and is checked to have landed there — the temporary file left behind, no registry yet — else tried again
+    sooner: a host too fast for a fixed delay cannot make the test pass without a kill."""
     db = tmp_path / "mlflow.db"
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{db}"}
-    p = spawn(project, "register", ENGINE, env=env)
-    time.sleep(delay)
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+
+    def reset() -> None:
+        for f in (db, *_migrating(db)):
+            f.unlink(missing_ok=True)
+
+    kill_after(project, migration_s * at, "register", ENGINE, env=env, armed=lambda: bool(_migrating(db)),
+               landed=lambda: bool(_migrating(db)) and not db.exists(), reset=reset)
     r = kiln(project, "register", ENGINE, env=env)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert versions(db, f"kiln-{ENGINE}") == [1]
+    assert not _migrating(db)                       # the killed run's half-migrated file is gone
 
 
 # ---------------------------------------------------------------------------------------------- [relocated checkout]

@@ -13,18 +13,19 @@ from pipeline import config, paths, targets
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import verify_manifest
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fingerprint, validate
+from pipeline.gates import evaluate, facemetrics
+from pipeline.stages import toolchain as toolchain_stage, validate
 
 
 @pytest.fixture(scope="module")
 def fp32_engine(built, cfg):
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
     compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
     return paths.engine("embedder-ort-cpu-fp32", built)
 
 
 def test_probe_and_fingerprint(built, cfg):
-    out = fingerprint.run(cfg, built)
+    out = toolchain_stage.run(cfg, built)
     tc, path, _ = out["ort-cpu"]
     doc = yaml.safe_load(path.read_text())
     assert tc.available and doc["available"] is True
@@ -75,7 +76,7 @@ def test_fallback_policy_fail_builds_nothing(built, cfg):
     (fake / "embedder.manifest.json").rename(fake / "embedder-ort.manifest.json")
     strict = cfg.replace(targets={**cfg.targets, "ort-cpu": dataclasses.replace(cfg.targets["ort-cpu"],
                                                                                   fallback_policy="fail")})
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
     try:
         with pytest.raises(GateFailed, match="compute nodes fell back from int8"):
             compile_stage.run(strict, "embedder-ort-cpu-int8", built)
@@ -89,12 +90,12 @@ def test_fallback_policy_fail_builds_nothing(built, cfg):
 
 def test_unavailable_target_builds_nothing(built, cfg):
     path = paths.toolchain_file("ort-cpu", built)
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
     doc = yaml.safe_load(path.read_text())
     path.write_text(yaml.safe_dump({**doc, "available": False, "reason": "no CPU today"}))
     with pytest.raises(KilnError, match=r"ort-cpu: unavailable \(no CPU today\); not built"):
         compile_stage.run(cfg, "embedder-ort-cpu-fp32", built)
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
 
 
 def test_face_metrics_known_answers(cfg):
@@ -103,14 +104,14 @@ def test_face_metrics_known_answers(cfg):
     labels = np.repeat(np.arange(3), 4)
     ref = centers[labels] + rng.normal(size=(12, 128)) * 0.01
     gallery = np.array([0, 4, 8])
-    same = validate.face_metrics(ref.copy(), ref, labels, gallery, 0.6)
+    same = facemetrics.face_metrics(ref.copy(), ref, labels, gallery, 0.6)
     assert same["cosine_min"] == pytest.approx(1.0) and same["l2_max"] == 0 and same["decision_agreement"] == 1
     swapped = ref.copy()
     swapped[1] = ref[5]  # one chip of identity 0 now looks like identity 1
-    m = validate.face_metrics(swapped, ref, labels, gallery, 0.6)
+    m = facemetrics.face_metrics(swapped, ref, labels, gallery, 0.6)
     assert m["top1_agreement"] == pytest.approx(11 / 12) and m["cosine_min"] < 0.9
-    assert any(f.startswith("top1_agreement") for f in validate.gate(m, cfg.validate))
-    assert validate.gate(same, cfg.validate) == []
+    assert any(f.startswith("top1_agreement") for f in evaluate.gate(m, cfg.validate))
+    assert evaluate.gate(same, cfg.validate) == []
 
 
 def test_validate_passes_fp32_and_writes_verdict(fp32_engine, built, cfg):
@@ -151,7 +152,7 @@ def test_canonicalize_gives_one_byte_order_for_any_node_order(fp32_engine):
 
 def test_the_int8_bench_gate_on_injected_latencies(cfg):
     """The bench gate itself, on known latencies (the real bench only reports on a noisy machine)."""
-    from pipeline.stages import bench
+    from pipeline.gates import timing
 
     engines = [cfg.engine("embedder-ort-cpu-fp32"), cfg.engine("embedder-ort-cpu-int8"),
                cfg.engine("embedder-aoti-cpu-fp32")]
@@ -162,14 +163,14 @@ def test_the_int8_bench_gate_on_injected_latencies(cfg):
                             "embedder-aoti-cpu-fp32": {"b1_p50_ms": 1.0, "b8_p50_ms": 1.0}}, "ratios": {}}
 
     fast = report(2.0, 8.0)
-    assert bench.int8_gate(fast, engines, (1, 8), 1.0) == []
+    assert timing.int8_gate(fast, engines, (1, 8), 1.0) == []
     assert fast["engines"]["embedder-ort-cpu-int8"]["b1_speedup_vs_fp32"] == 2.0
     assert fast["ratios"] == {"embedder-ort-cpu-int8/embedder-ort-cpu-fp32@b1": 2.0,
                               "embedder-ort-cpu-int8/embedder-ort-cpu-fp32@b8": 2.5}   # its own target's sibling
-    slow = bench.int8_gate(report(5.0, 8.0), engines, (1, 8), 1.0)
+    slow = timing.int8_gate(report(5.0, 8.0), engines, (1, 8), 1.0)
     assert slow == ["embedder-ort-cpu-int8 is 0.80× its FP32 sibling embedder-ort-cpu-fp32 at batch 1 (needs ≥ 1×): "
                     "the INT8 recipe 'ort' does not pay"]
-    assert len(bench.int8_gate(report(2.0, 8.0), engines, (1, 8), 3.0)) == 2        # a stricter goal fails both
+    assert len(timing.int8_gate(report(2.0, 8.0), engines, (1, 8), 3.0)) == 2        # a stricter goal fails both
 
 
 # ---------------------------------------------------------------------------------------------- the contract

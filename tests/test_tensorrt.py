@@ -1,14 +1,17 @@
 """tensorrt target without TensorRT: options → builder plan, fingerprint + rebuild decision, ONNX preparation,
 inspector-JSON parsing (10.x and 11.x schemas), the explicit "unavailable" path, and the static audit hook.
 
-Nothing here imports TensorRT or needs a GPU; what does (compile, load, TrtRunner, probe on a GPU host) is listed in
-the module docstring of pipeline/targets/tensorrt.py and is exercised only on a GPU host.
+Nothing here imports TensorRT or needs a GPU, and nothing skips where TensorRT is installed: the unavailable path
+runs as on a host without it (`without_tensorrt` makes `import tensorrt` fail as a missing package does). What needs
+TensorRT (compile, load, TrtRunner, probe on a GPU host) is listed in the module docstring of
+pipeline/targets/tensorrt.py and is exercised only on a GPU host.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib.abc
+import inspect
 import json
 import os
 import sys
@@ -23,13 +26,36 @@ from onnx import TensorProto, helper, numpy_helper
 from pipeline import config, paths, targets
 from pipeline.errors import KilnError
 from pipeline.stages import compile as compile_stage
-from pipeline.stages import fingerprint
+from pipeline.stages import toolchain as toolchain_stage
 from pipeline.targets import tensorrt as trt_target
-from pipeline.targets.tensorrt import (TensorRT, TrtOptions, build_plan, check_loadable,
-                                       inspector_audit, make_fingerprint, norm_dtype, parse_inspector, prepare_onnx)
+from pipeline.targets.tensorrt import TensorRT, TrtOptions, build_plan, check_loadable, make_fingerprint
+from pipeline.targets.trt_inspector import inspector_audit, norm_dtype, parse_inspector
+from pipeline.targets.trt_onnx import prepare_onnx
 
 REPO = Path(__file__).resolve().parents[1]
-HAS_TRT = importlib.util.find_spec("tensorrt") is not None
+
+
+class NoTensorRT(importlib.abc.MetaPathFinder):
+    """A host without TensorRT, whether or not this one has it: `import tensorrt` fails as a missing package does."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "tensorrt":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+@pytest.fixture
+def without_tensorrt(monkeypatch):
+    """This process as on a host without TensorRT (an imported one is forgotten for the test's duration)."""
+    monkeypatch.setattr(sys, "meta_path", [NoTensorRT(), *sys.meta_path])
+    for name in [m for m in sys.modules if m.partition(".")[0] == "tensorrt"]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def without_tensorrt_cmd(code: str) -> list[str]:
+    """A fresh interpreter that runs `code` as on a host without TensorRT."""
+    return [sys.executable, "-c", f"import importlib.abc, sys\n{inspect.getsource(NoTensorRT)}"
+                                  f"sys.meta_path.insert(0, NoTensorRT())\n{code}"]
 
 # ----------------------------------------------------------------------------------------------- inspector fixtures
 # TensorRT 10.x schema: engine JSON has "Bindings": [names]; layer inputs/outputs carry one combined
@@ -97,21 +123,36 @@ INSPECTOR_11X = {
 
 
 # ----------------------------------------------------------------------------------------------- availability
-@pytest.mark.skipif(HAS_TRT, reason="tensorrt is importable on this host")
-def test_import_and_probe_without_tensorrt():
-    assert "tensorrt" not in sys.modules            # importing pipeline.targets imported no TensorRT
+def test_importing_the_targets_imports_no_tensorrt():
+    """In a fresh process (TensorRT installed or not): the registry and the tensorrt target's module load without
+    even trying to import TensorRT (a finder records every attempt), which only a probe, a compile or a load does."""
+    import subprocess
+
+    record = ("import sys\nclass Seen:\n    tried = []\n    def find_spec(self, name, path=None, target=None):\n"
+              "        if name.partition('.')[0] == 'tensorrt': Seen.tried.append(name)\n"
+              "sys.meta_path.insert(0, Seen())\n"
+              "from pipeline import targets\nfrom pipeline.targets import tensorrt\nt = targets.get('tensorrt')\n"
+              "print(Seen.tried)\n")
+    r = subprocess.run([sys.executable, "-c", record], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_probe_without_tensorrt(without_tensorrt):
     tc = targets.get("tensorrt").probe()
     assert not tc.available and tc.line() == "tensorrt: unavailable (no module named 'tensorrt')"
 
 
-@pytest.mark.skipif(HAS_TRT, reason="tensorrt is importable on this host")
 def test_toolchain_stage_records_unavailable(tmp_path):
-    """The real stage, in a fresh process: the file says unavailable and why, and holds no rebuild keys."""
+    """The real stage, in a fresh process on a host without TensorRT: the file says unavailable and why, and
+    holds no rebuild keys."""
     import shutil
     import subprocess
 
     shutil.copy(REPO / "params.yaml", tmp_path / "params.yaml")
-    r = subprocess.run([sys.executable, "-m", "pipeline.stages.fingerprint"], cwd=tmp_path, capture_output=True,
+    run = f"import runpy; runpy.run_module({toolchain_stage.__name__!r}, run_name='__main__', alter_sys=True)"
+    r = subprocess.run(without_tensorrt_cmd(run), cwd=tmp_path, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stderr
     assert "tensorrt: unavailable (no module named 'tensorrt')" in r.stdout
@@ -139,10 +180,9 @@ def test_gpu_profile_is_a_valid_configuration(tmp_path):
     assert not config.load(REPO / "params.yaml").targets["tensorrt"].enabled
 
 
-@pytest.mark.skipif(HAS_TRT, reason="tensorrt is importable on this host")
-def test_asking_for_tensorrt_here_fails_clearly_and_builds_nothing(built, tmp_path):
+def test_asking_for_tensorrt_here_fails_clearly_and_builds_nothing(built, tmp_path, without_tensorrt):
     cfg = _gpu_cfg(tmp_path)
-    fingerprint.run(cfg, built)
+    toolchain_stage.run(cfg, built)
     for name in ("embedder-tensorrt-fp16", "embedder-tensorrt-int8"):
         with pytest.raises(KilnError, match=r"tensorrt: unavailable \(no module named 'tensorrt'\)"):
             compile_stage.run(cfg, name, built)

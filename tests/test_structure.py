@@ -1,0 +1,237 @@
+"""The shape of the code, checked (issue 33): the import graph of pipeline/ has no cycles; no module imports a stage
+module (a stage is its STAGE, run and main: a library never lives in one); each stage module is short; and the
+derived closures are narrow — a package bump reruns only the stages whose code uses it, an edit of the face-metric
+maths reruns the gates and none of the builds.
+
+Imports are read as the DAG reads them: by the project's own reader (`_direct`, beside `closure`; module-level and
+function-level imports alike, `if TYPE_CHECKING:` blocks excepted). Closures are those of the declarations rendered
+in memory (pipeline/dag.py `render` of the repository's params.yaml), never the committed dvc.yaml. Fast: nothing
+is built, nothing runs but the reader and the renderer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections import deque
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+PIPELINE = REPO / "pipeline"
+STAGES = PIPELINE / "stages"
+MAX_STAGE_LINES = 160
+# The groups that build what engines are made from, and the engines: a metric edit must rerun none of them.
+BUILD_GROUPS = ("golden", "export", "program", "quantize", "compile", "debug-precision")
+GATE_GROUPS = ("validate", "calibrate")               # the gates that judge with the face metrics
+PACKAGE = "openvino"                                  # the package bump of issue 33 item 4
+
+
+# ---------------------------------------------------------------------------------------------- the import reader
+@lru_cache(maxsize=None)
+def reader():
+    """The module that holds the project's import reader (`def _direct(`), wherever the code keeps it."""
+    hits = [p for p in sorted(PIPELINE.rglob("*.py")) if re.search(r"(?m)^def _direct\(", p.read_text())]
+    assert len(hits) == 1, f"the import reader `_direct` should be defined once under pipeline/: {hits}"
+    return importlib.import_module(".".join(hits[0].relative_to(REPO).with_suffix("").parts))
+
+
+def rel(p: Path) -> str:
+    return p.resolve().relative_to(REPO).as_posix()
+
+
+def imports(path: Path) -> tuple[set[str], set[str]]:
+    """(the pipeline/ files `path` imports, the third-party top-level names it imports)."""
+    r = reader()
+    ours, theirs = r._direct(path, path.stat().st_mtime_ns)
+    return {rel(f) for n in ours if (f := r.module_file(n)) is not None}, set(theirs)
+
+
+def pipeline_files() -> list[Path]:
+    return sorted(p for p in PIPELINE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def graph() -> dict[str, set[str]]:
+    """pipeline/ file → the pipeline/ files it imports."""
+    return {rel(p): imports(p)[0] - {rel(p)} for p in pipeline_files()}
+
+
+def path_between(edges: dict[str, set[str]], start: str, goals: set[str]) -> list[str] | None:
+    """A shortest import chain from `start` to any of `goals` (breadth first), or None."""
+    parent: dict[str, str | None] = {start: None}
+    todo = deque([start])
+    while todo:
+        node = todo.popleft()
+        if node in goals and node != start:
+            chain = [node]
+            while (node := parent[node]) is not None:
+                chain.append(node)
+            return chain[::-1]
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in parent:
+                parent[nxt] = node
+                todo.append(nxt)
+    return None
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One import cycle per strongly connected component of more than one file (Tarjan), shortest first found."""
+    index, low, on, stack, comps, counter = {}, {}, set(), [], [], [0]
+
+    def visit(v: str) -> None:                       # recursion depth ≤ the number of files (≈ 120)
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                on.discard(w)
+                comp.append(w)
+            on.discard(v)
+            comps.append([v, *comp])
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return [_cycle_through({v: edges[v] & set(comp) for v in comp}, min(comp)) for comp in comps if len(comp) > 1]
+
+
+def _cycle_through(inner: dict[str, set[str]], start: str) -> list[str]:
+    """A shortest cycle start → … → start inside one component."""
+    best: list[str] | None = None
+    for nxt in sorted(inner[start]):
+        back = path_between(inner, nxt, {start}) if nxt != start else [start]
+        if back and (best is None or len(back) + 1 < len(best)):
+            best = [start, *back]
+    return best or [start]
+
+
+# ---------------------------------------------------------------------------------------------- (a) (b) (c)
+def test_the_import_graph_of_pipeline_has_no_cycles():
+    """Module-level and function-level imports both count: a cycle is one a lazy import only hides."""
+    found = cycles(graph())
+    assert not found, "import cycles in pipeline/:\n" + "\n".join(" → ".join(c) for c in found)
+
+
+def stage_modules() -> list[str]:
+    return sorted(rel(p) for p in STAGES.glob("*.py") if p.name != "__init__.py")
+
+
+def test_no_module_imports_a_stage_module():
+    """pipeline/stages/*.py are entry points: no module of pipeline/ (another stage included), bench/ or scripts/
+    imports one. The CLI and the DAG load them by name (tests may import them)."""
+    targets = set(stage_modules())
+    assert len(targets) >= 15, targets
+    importers = [p for d in ("pipeline", "bench", "scripts") for p in sorted((REPO / d).rglob("*.py"))
+                 if "__pycache__" not in p.parts]
+    found = {rel(p): sorted((imports(p)[0] & targets) - {rel(p)}) for p in importers}
+    found = {k: v for k, v in found.items() if v}
+    assert not found, "stage modules imported by other modules:\n" + "\n".join(
+        f"  {k} imports {', '.join(v)}" for k, v in sorted(found.items()))
+
+
+def test_each_stage_module_is_short():
+    """A stage module is its STAGE, `run` and `main`; what is longer is a library that belongs elsewhere."""
+    long = {m: n for m in stage_modules() if (n := len((REPO / m).read_text().splitlines())) > MAX_STAGE_LINES}
+    assert not long, f"stage modules over {MAX_STAGE_LINES} lines: " + ", ".join(
+        f"{m} ({n})" for m, n in sorted(long.items(), key=lambda x: -x[1]))
+
+
+# ---------------------------------------------------------------------------------------------- (d) closures
+@pytest.fixture(scope="module")
+def declared() -> dict[str, dict]:
+    """Every stage of the default DAG as the declarations render it (in memory): name → {deps, packages,
+    targets, module}: its deps (code and data), the packages of artifacts/toolchain/python.yaml it tracks, and the
+    targets whose fingerprint (artifacts/toolchain/<target>.yaml) it tracks."""
+    from pipeline import config, dag
+
+    cfg = config.load(REPO / "params.yaml")
+    out: dict[str, dict] = {}
+    for text in dag.render(cfg).values():
+        for group, body in (yaml.safe_load(text).get("stages") or {}).items():
+            keyed = body.get("foreach")
+            spec = body["do"] if keyed is not None else body
+            for key, item in (keyed.items() if keyed is not None else [(None, {})]):
+                def sub(s: str) -> str:
+                    s = re.sub(r"\$\{item\.(\w+)\}", lambda m: str(item[m.group(1)]), s)
+                    return s.replace("${key}", str(key))
+                params = [{sub(k): v for k, v in p.items()} if isinstance(p, dict) else sub(p)
+                          for p in spec.get("params", [])]
+                files = {k: v for p in params if isinstance(p, dict) for k, v in p.items()}
+                out[group if key is None else f"{group}@{key}"] = {
+                    "module": rel(reader().module_file(spec["cmd"].split()[2])),
+                    "deps": {sub(d) for d in spec.get("deps", [])},
+                    "packages": {v.removeprefix("packages.") for v in files.get("artifacts/toolchain/python.yaml",
+                                                                                  []) if v.startswith("packages.")},
+                    "targets": {Path(k).stem for k in files if k.startswith("artifacts/toolchain/")
+                                and k != "artifacts/toolchain/python.yaml"}}
+    assert len(out) >= 80, len(out)
+    return out
+
+
+def test_a_package_bump_reruns_only_the_stages_whose_code_uses_it(declared):
+    """An OpenVINO upgrade reruns the stages of targets whose module imports openvino (through their fingerprint)
+    and may rerun the stages that load engines of any target (their deps include an engine); no other stage —
+    golden@, export@, the FP32 chain of a PyTorch model above all — may list `packages.openvino`. The expectation
+    is derived from which modules import openvino (the reader), not a hand list."""
+    from pipeline import paths, targets
+
+    r = reader()
+    dist = set(r.distributions([PACKAGE]))
+    users = {rel(p) for p in pipeline_files() if PACKAGE in imports(p)[1]}
+    assert users, f"no module under pipeline/ imports {PACKAGE}"
+    using_targets = {t for s in declared.values() for t in s["targets"] if PACKAGE in r.closure([targets.module(t)])[1]}
+    engines_dir = paths.engine("x").parent.as_posix() + "/"
+
+    def depends(s: dict) -> bool:
+        return bool(s["packages"] & dist) or bool(s["targets"] & using_targets)
+
+    must = {n for n, s in declared.items() if s["targets"] & using_targets}
+    may = {n for n, s in declared.items() if any(d.startswith(engines_dir) for d in s["deps"])}
+    rerun = {n for n, s in declared.items() if depends(s)}
+    assert must, f"no stage tracks a target whose module imports {PACKAGE}: {sorted(using_targets)}"
+    assert must <= rerun, sorted(must - rerun)
+    edges = graph()
+    wrong = {}
+    for n in sorted(rerun - must - may):
+        module = declared[n]["module"]
+        wrong[n] = " → ".join(path_between(edges, module, users) or [module, "(a module it loads by name)"])
+    assert not wrong, (f"{len(wrong)} stages rerun on a {PACKAGE} bump without using it ({PACKAGE} is imported by "
+                       f"{', '.join(sorted(users))}):\n" + "\n".join(f"  {n}: {c}" for n, c in wrong.items()))
+
+
+def facemetrics_file() -> str:
+    found = [rel(p) for p in pipeline_files() if p.name == "facemetrics.py"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_metrics_edit_reruns_the_gates_not_the_builds(declared):
+    """Editing the face-metric maths (facemetrics.py, wherever it lives) stales the gates (validate@, calibrate@),
+    which judge with it, and none of the builds: an engine's identity must not change with a metric."""
+    f = facemetrics_file()
+    stale = {n for n, s in declared.items() if f in s["deps"]}
+    gates = {n for n in declared if n.partition("@")[0] in GATE_GROUPS}
+    builds = {n for n in declared if n.partition("@")[0] in BUILD_GROUPS}
+    assert gates and builds
+    assert gates <= stale, f"gates that would not rerun on an edit of {f}: {sorted(gates - stale)}"
+    edges = graph()
+    wrong = {}
+    for n in sorted(stale & builds):
+        module = declared[n]["module"]
+        wrong[n] = " → ".join(path_between(edges, module, {f}) or [module, "(a module it loads by name)"])
+    by_group = {g: sum(n.partition("@")[0] == g for n in wrong) for g in BUILD_GROUPS}
+    assert not wrong, (f"an edit of {f} stales {len(wrong)} build stages "
+                       f"({', '.join(f'{g}@ ×{c}' for g, c in by_group.items() if c)}):\n"
+                       + "\n".join(f"  {n}: {c}" for n, c in wrong.items()))
