@@ -157,9 +157,9 @@ def cmd_provenance(args) -> int:
 
 
 def cmd_keygen(args) -> int:
-    from pipeline import release
+    from pipeline import signing
 
-    private, public = release.keygen(release.key_path(args.out))
+    private, public = signing.keygen(signing.key_path(args.out))
     print(f"private key → {private} (mode 0600; keep it secret, never commit it)\npublic key  → {public} "
           f"(hand it to whoever verifies: kiln verify-release ARCHIVE --key {public.name})")
     return 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli, provenance, registry, release
+from pipeline import cli, provenance, registry, release, signing
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import build_manifest, file_input, input_ref, manifest_path, write_manifest
 from conftest import render_in_chromium
@@ -24,7 +24,7 @@ from test_registry import INT8, make_engine, register, root  # noqa: F401  (root
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory) -> tuple[Path, Path]:
-    return release.keygen(tmp_path_factory.mktemp("keys") / "publisher.pem")
+    return signing.keygen(tmp_path_factory.mktemp("keys") / "publisher.pem")
 
 
 def released(cfg, root: Path, keys, payload: bytes = b"int8-engine-bytes") -> release.Release:  # noqa: F811
@@ -147,7 +147,7 @@ def test_every_tampering_fails_naming_the_item(cfg, root, keys, tmp_path):  # no
                  if n == sig_name else d)                                # a byte of the signature value itself
     with pytest.raises(GateFailed, match="^signature: "):
         release.verify(bad, keys[1])
-    other = release.keygen(tmp_path / "other.pem")
+    other = signing.keygen(tmp_path / "other.pem")
     with pytest.raises(GateFailed, match="signature: Key mismatch"):
         release.verify(r.archive, other[1])
     # an attacker re-signs tampered content with their own key: the publisher's key refuses it
@@ -156,7 +156,7 @@ def test_every_tampering_fails_naming_the_item(cfg, root, keys, tmp_path):  # no
     release.safe_extract(r.archive, forged)
     top = r.archive.name.removesuffix(".tar.gz")
     (forged / top / "engine" / "model.onnx").write_bytes(b"evil")
-    release.sign_tree(forged / top, forged / f"{top}.sig", other[0])
+    signing.sign_tree(forged / top, forged / f"{top}.sig", other[0])
     forged_archive = tmp_path / "forged.tar.gz"
     release.write_archive(forged_archive, forged, [top, f"{top}.sig"])
     with pytest.raises(GateFailed, match="Key mismatch"):
@@ -185,12 +185,12 @@ def test_unsafe_archives_and_keys_are_refused(keys, tmp_path, monkeypatch):
     with pytest.raises(GateFailed, match="not a readable release archive"):
         release.verify(tmp_path / "junk.tar.gz", keys[1])
     with pytest.raises(KilnError, match="never overwritten"):
-        release.keygen(keys[0])
+        signing.keygen(keys[0])
     with pytest.raises(KilnError, match="inside the repository"):
-        release.keygen(Path(__file__).parent / "k.pem")
-    monkeypatch.delenv(release.KEY_ENV, raising=False)
+        signing.keygen(Path(__file__).parent / "k.pem")
+    monkeypatch.delenv(signing.KEY_ENV, raising=False)
     with pytest.raises(KilnError, match="no signing key"):
-        release.key_path(None)
+        signing.key_path(None)
 
 
 def test_release_refuses_what_promote_would_refuse_and_never_overwrites(cfg, root, keys, tmp_path):  # noqa: F811
@@ -337,14 +337,14 @@ def test_a_genuine_release_renamed_or_padded_is_refused(cfg, root, keys, tmp_pat
     tree, sig = _extracted(r.archive, tmp_path / "x")                # a (buggy) publisher signs a bad release.json
     doc = json.loads((tree / "release.json").read_text())
     (tree / "release.json").write_text(json.dumps({**doc, "manifest": "../../../etc/hostname"}))
-    release.sign_tree(tree, sig, keys[0])
+    signing.sign_tree(tree, sig, keys[0])
     bad = tmp_path / "bad.tar.gz"
     release.write_archive(bad, tree.parent, [tree.name, sig.name])
     with pytest.raises(GateFailed, match="is not a path inside the release"):
         release.verify(bad, keys[1])
     del doc["artifact_sha256"], doc["chain_root"]
     (tree / "release.json").write_text(json.dumps(doc))
-    release.sign_tree(tree, sig, keys[0])
+    signing.sign_tree(tree, sig, keys[0])
     release.write_archive(bad, tree.parent, [tree.name, sig.name])
     with pytest.raises(GateFailed):
         release.verify(bad, keys[1])
@@ -364,3 +364,32 @@ def test_a_gallery_index_releases_and_verifies(cfg, root, keys, tmp_path):  # no
     r = release.build(cfg, receipt.name, "production", root, key=keys[0], out_dir=tmp_path)
     checked = release.verify(r.archive, keys[1])
     assert checked[1].startswith(f"index: kiln-gallery-{size} v1, 1 file(s) match"), checked
+
+
+@pytest.mark.parametrize("gone", ["model_signing._signing.sign_sigstore_pb",                      # a module moved
+                                  "model_signing._signing.signing._IN_TOTO_JSON_PAYLOAD_TYPE"])   # a name renamed
+def test_signing_without_model_signings_private_names_is_one_kiln_error_line(tmp_path, monkeypatch, capsys, gone):
+    """sign_tree builds its deterministic bundle from model-signing's private modules (pipeline/signing.py): after an
+    upgrade that moved or renamed one, `kiln release` says so in one `kiln: error:` line naming the installed
+    model-signing and the fix, not an ImportError / AttributeError traceback. No registry: `build` only signs here."""
+    from importlib import import_module, metadata
+
+    import_module("model_signing._signing.sign_ec_key")              # imported before (it imports sign_sigstore_pb)
+    if gone.endswith("_pb"):
+        monkeypatch.setitem(sys.modules, gone, None)                  # importing it raises ModuleNotFoundError
+    else:
+        module, _, name = gone.rpartition(".")
+        monkeypatch.delattr(import_module(module), name)
+    private, _ = signing.keygen(tmp_path / "keys" / "k.pem")
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "f.bin").write_bytes(b"x")
+    monkeypatch.setattr(cli, "_cfg", lambda args: None)
+    monkeypatch.setattr(release, "build", lambda *a, **k: signing.sign_tree(tmp_path / "tree", tmp_path / "t.sig",
+                                                                            private))
+    assert cli.main(["release", f"kiln-{INT8}", "production"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0] == (f"kiln: error: model-signing {metadata.version('model-signing')} has no "
+                                        f"{gone}, which kiln's deterministic signing uses (checked against "
+                                        f"model-signing=={signing.MODEL_SIGNING_CHECKED})"), err
+    assert err[1].startswith(f"hint: install the locked model-signing=={signing.MODEL_SIGNING_CHECKED}"), err
+    assert not (tmp_path / "t.sig").exists()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import registry, release, revalidate
+from pipeline import registry, release, revalidate, signing
 from pipeline.errors import GateFailed, KilnError
 from pipeline.registry.releases import RELEASES_EXPERIMENT
 from pipeline.registry import sync as registry_sync
@@ -70,7 +70,7 @@ def test_a_version_repointed_at_another_engine_is_refused_by_every_command(cfg, 
     c = client()
     fp32 = c.get_model_version(NAME32, "1")
     assert int(c.create_model_version(NAME8, source=fp32.source, run_id=fp32.run_id).version) == 2
-    keys = release.keygen(tmp_path / "keys" / "publisher.pem")
+    keys = signing.keygen(tmp_path / "keys" / "publisher.pem")
 
     r = kiln(root, "promote", INT8, "2", env=cli_env())
     clean_error(r, 1, f"{NAME8} v2", f"belongs to {NAME32}", "repointed")

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import REPO
 from pipeline import archive as tar_reader
-from pipeline import cli, registry, release
+from pipeline import cli, registry, release, signing
 from pipeline.errors import GateFailed, KilnError
 from reliability import PY, _env, clean_error, kiln
 from test_registry import FP32, INT8, make_engine, make_index, register, root  # noqa: F401  (root: a fixture)
@@ -175,7 +175,7 @@ def test_documents_are_bounded_before_parsing(cfg, root, keys, tmp_path, capsys)
     1 GiB), a signed release.json over the cap, and an archive of thousands of entries with a 4 KiB name: refused,
     in one bounded line."""
     r = released(cfg, root, keys)
-    pad = (8 << 20) + 1                                # one byte over the cap on any document (release._MAX_DOC)
+    pad = (8 << 20) + 1                                # one byte over the cap on any document (release_content.MAX_DOC)
     padded = repack(r.archive, tmp_path / "padded.tar.gz", lambda n, d: d + b" " * pad if n.endswith(".sig") else d)
     with pytest.raises(GateFailed, match="^.*sig: .* bytes; no file at the top of a release archive is over 8 MiB"):
         release.verify(padded, keys[1])
@@ -183,7 +183,7 @@ def test_documents_are_bounded_before_parsing(cfg, root, keys, tmp_path, capsys)
     tree, sig = _extracted(r.archive, tmp_path / "x")            # the publisher's own key signed the big one
     doc = (tree / "release.json").read_bytes()
     (tree / "release.json").write_bytes(doc + b" " * pad)
-    release.sign_tree(tree, sig, keys[0])
+    signing.sign_tree(tree, sig, keys[0])
     big = tmp_path / "big.tar.gz"
     release.write_archive(big, tree.parent, [tree.name, sig.name])
     with pytest.raises(GateFailed, match="^release.json: .* bytes; no document of a release is over 8 MiB"):
@@ -283,7 +283,7 @@ def test_sigterm_anywhere_in_release_leaves_no_scratch(cfg, root, keys, tmp_path
     exit 143, the private TMPDIR empty, no .tmp in --out; an archive there is whole and verifies."""
     _production(cfg, root)
     for i, (module, attr, nth) in enumerate([("pipeline.registry.releases", "download_verified", 1),
-                                             ("pipeline.release", "sign_tree", 1),
+                                             ("pipeline.signing", "sign_tree", 1),
                                              ("os", "fsync", 2),             # _place's copy is written, not renamed
                                              ("pipeline.release", "_record", 1)]):
         scratch, out = tmp_path / f"scratch{i}", tmp_path / f"out{i}"
@@ -317,7 +317,7 @@ def test_keygen_never_writes_through_a_link_or_under_a_file(tmp_path):
     clean_error(kiln(tmp_path, "keygen", "--out", str(tmp_path / "repo" / "k.pem")), 2, "inside the repository")
     (tmp_path / "file").write_text("x")
     clean_error(kiln(tmp_path, "keygen", "--out", str(tmp_path / "file" / "k.pem")), 2, "cannot write the key")
-    private, public = release.keygen(tmp_path / "ok" / "k.pem")
+    private, public = signing.keygen(tmp_path / "ok" / "k.pem")
     assert oct(private.stat().st_mode & 0o777) == "0o600" and public.read_bytes().startswith(b"-----BEGIN PUBLIC")
 
 
@@ -329,12 +329,12 @@ def test_nested_json_and_bad_signature_fields_are_one_line(cfg, root, keys, tmp_
     tree, sig = _extracted(r.archive, tmp_path / "x")
     doc = json.loads((tree / "release.json").read_text())
     (tree / "release.json").write_text(json.dumps(doc)[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
-    release.sign_tree(tree, sig, keys[0])
+    signing.sign_tree(tree, sig, keys[0])
     deep = tmp_path / "deep.tar.gz"
     release.write_archive(deep, tree.parent, [tree.name, sig.name])
     clean_error(kiln(tmp_path, "verify-release", str(deep), "--key", str(keys[1])), 1, "nested too deeply")
     (tree / "release.json").write_text(json.dumps({**doc, "registered_model": "x" * 1_000_000}))
-    release.sign_tree(tree, sig, keys[0])                                 # a megabyte-long name, signed
+    signing.sign_tree(tree, sig, keys[0])                                 # a megabyte-long name, signed
     release.write_archive(deep, tree.parent, [tree.name, sig.name])
     rc, err = _verify_cli(deep, keys[1], capsys)
     assert len(_one_line(rc, err, 1)) < 800, err[:1000]
