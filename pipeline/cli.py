@@ -244,14 +244,23 @@ def cmd_rollback(args) -> int:
 
 def cmd_history(args) -> int:
     from pipeline import registry, tables
+    from pipeline.registry.registration import bench_rows
 
-    moves = registry.history(_cfg(args), args.name, alias=args.alias)
+    cfg = _cfg(args)
+    moves = registry.history(cfg, args.name, alias=args.alias)
     if not moves:
         print(f"history: no alias moves recorded for {args.name}")
-        return 0
-    print(tables.markdown(["at (UTC)", "alias", "action", "from", "to", "actor", "reason"],
-                          [(m.at, m.alias, m.action, "-" if m.from_version is None else f"v{m.from_version}",
-                            f"v{m.to_version}", m.actor, m.reason) for m in moves]))
+    else:
+        print(tables.markdown(["at (UTC)", "alias", "action", "from", "to", "actor", "reason"],
+                              [(m.at, m.alias, m.action, "-" if m.from_version is None else f"v{m.from_version}",
+                                f"v{m.to_version}", m.actor, m.reason) for m in moves]))
+    rows = bench_rows(cfg, args.name)
+    if rows:   # what each host class measured, one row per (version, host class): a second host adds its own
+        speed = sorted({k for r in rows for k in r if k.endswith(("_p50_ms", "_speedup_vs_fp32"))})
+        print("\nbench per host class:")
+        print(tables.markdown(["version", "host class", "bench verdict", *speed],
+                              [(f"v{r['version']}", r["host_class"], r["verdict"] or "-",
+                                *(r.get(k, "-") for k in speed)) for r in rows]))
     return 0
 
 

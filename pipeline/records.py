@@ -1,4 +1,5 @@
-"""A stage run's record: git commit, dirty state, host, times and the modules it imported, in artifacts/records/.
+"""A stage run's record: git commit, dirty state, host and host class, times and the modules it imported, in
+artifacts/records/.
 
 The record sits beside the DVC outputs, never inside them, so an output's bytes never depend on when, where or from
 which commit it was built; an auditor still finds the commit (`kiln provenance`, the registry's run).
@@ -55,7 +56,8 @@ def write_record(stage_name: str, root: Path, record: dict[str, Any]) -> Path:
 
     imported = sorted(p for m in list(sys.modules.values())
                       if (f := getattr(m, "__file__", None)) and (p := _repo_relative(f)))
-    doc = {"stage": stage_name, "git": git_state(), **toolchain.host(), "argv": sys.argv,
+    doc = {"stage": stage_name, "git": git_state(), **toolchain.host(), "host_class": toolchain.host_class(),
+           "argv": sys.argv,
            "modules_imported": imported, **record}
     path = record_path(stage_name, root)
     write_json_atomic(path, doc)

@@ -3,9 +3,11 @@ fonts, no network.
 
 Two scopes, one renderer:
 * the workspace (`kiln report`): every engine's latency p50/p99 at batch 1 and 8, speed-up over PyTorch eager,
-  accuracy and verdict, fallback count (the leaderboard's rows + the bench's tails), an accuracy-vs-latency plot per
-  model, each gallery's recall/latency curve, and the provenance graph of every built engine (walked and verified:
-  a broken node is drawn red);
+  accuracy and verdict, fallback count (the leaderboard's rows + the bench's tails), the matrix engine × host class
+  (the registry's per-host-class bench rows of each engine's version, plus this workspace's bench: per host class
+  the winner, by how much, and which INT8 engines are not faster there), an accuracy-vs-latency plot per model,
+  each gallery's recall/latency curve, and the provenance graph of every built engine (walked and verified: a
+  broken node is drawn red);
 * a release (`kiln release` puts `report.html` in the signed tree): the same page built from the release's own
   files only (its registered bench, verdict, manifest and chain), so it is as deterministic as the archive.
 """
@@ -37,6 +39,7 @@ class Report:
     manifests: dict[str, dict[str, Any]] = field(default_factory=dict)      # provenance graph: path → manifest
     broken: set[str] = field(default_factory=set)    # manifest paths whose files or links did not verify
     notes: list[str] = field(default_factory=list)
+    matrix: list[dict[str, Any]] = field(default_factory=list)   # one cell per (engine, host class): host_matrix
 
 
 # ---------------------------------------------------------------------------------------------- collecting
@@ -69,8 +72,133 @@ def for_workspace(cfg, root: Path = Path(".")) -> Report:
             continue
     notes = [f"{len(built)} of {len(cfg.engines)} configured engines built; "
              + ("every provenance link verified" if not broken else f"{len(broken)} artifact(s) failed verification")]
+    matrix, where = host_matrix(cfg, rows, root)
+    notes.append(where)
     return Report("Kiln build report", f"workspace {root.resolve().name}: {len(rows)} engines, "
-                  f"{len(curves)} galleries", rows, curves, manifests, broken, notes)
+                  f"{len(curves)} galleries", rows, curves, manifests, broken, notes, matrix)
+
+
+NOT_FASTER = "not-faster-here"           # = gates/benchgate.NOT_FASTER
+
+
+def _registry_cells(cfg, rows: list[dict], root: Path) -> tuple[list[dict], str]:
+    """The registry's per-host-class bench rows of each engine's version — the one with this workspace's content,
+    else its newest — as cells; never creates a registry that does not exist."""
+    import os
+
+    from pipeline.manifest import artifact_digest
+    from pipeline.registry.client import sqlite_path, tracking_uri
+
+    uri = tracking_uri(cfg, root)
+    if "MLFLOW_TRACKING_URI" not in os.environ and not (sqlite_path(uri) or Path("/nonexistent")).is_file():
+        return [], "no registry here: the host-class matrix holds this workspace's bench only"
+    from pipeline.registry import registration as reg_mod
+    from pipeline.registry.client import Registry, errors, registered_name
+
+    cells = []
+    try:
+        registry = Registry(cfg, root)
+        with errors(registry.uri):
+            for r in rows:
+                name = registered_name(cfg, r["engine"])
+                versions = registry.client.search_model_versions(f"name = '{name}'")
+                if not versions:
+                    continue
+                digest = None
+                mfile = paths.engine(r["engine"], root) / f"{r['engine']}{SUFFIX}"
+                if mfile.is_file():
+                    try:
+                        digest = artifact_digest(read_manifest(mfile))
+                    except KilnError:
+                        digest = None
+                mine = [v for v in versions if (v.tags or {}).get("sha256") == digest]
+                v = (mine or sorted(versions, key=lambda v: int(v.version)))[-1]
+                tags, at = v.tags or {}, r.get("ranked_at", 1)
+                for hc in reg_mod.host_classes(tags):
+                    p50 = tags.get(f"bench.{hc}.b{at}_p50_ms")
+                    fp32 = tags.get(f"bench.{hc}.b{at}_speedup_vs_fp32")
+                    cells.append({"model": r["model"], "engine": r["engine"], "target": r["target"],
+                                  "precision": r["precision"], "host_class": hc, "at": at,
+                                  "p50_ms": float(p50) if p50 else None, "vs_fp32": float(fp32) if fp32 else None,
+                                  "bench_gate": tags.get(f"bench.{hc}.verdict"), "validation": tags.get("validation"),
+                                  "source": f"{name} v{v.version}"})
+    except KilnError as e:
+        return [], f"registry not read ({e}): the host-class matrix holds this workspace's bench only"
+    return cells, f"host-class matrix: {len(cells)} registry row(s) from {redact_uri(uri)}, plus this workspace's bench"
+
+
+def redact_uri(uri: str) -> str:
+    from pipeline.registry.client import redact
+
+    return redact(uri)
+
+
+def host_matrix(cfg, rows: list[dict], root: Path = Path(".")) -> tuple[list[dict], str]:
+    """One cell per (engine, host class) at the batch the engine is ranked at: the registry's rows, and this
+    workspace's bench for a host class the registry has no row of; per (model, host class) the fastest cell that
+    passed its validation and is not `not-faster-here` is marked `best`, with `wins_by` over the next."""
+    cells, where = _registry_cells(cfg, rows, root)
+    have = {(c["engine"], c["host_class"]) for c in cells}
+    for r in rows:
+        hc, at = r.get("host_class"), r.get("ranked_at", 1)
+        if hc and (r["engine"], hc) not in have and r.get(f"b{at}_p50_ms") is not None:
+            cells.append({"model": r["model"], "engine": r["engine"], "target": r["target"],
+                          "precision": r["precision"], "host_class": hc, "at": at, "p50_ms": r[f"b{at}_p50_ms"],
+                          "vs_fp32": r.get(f"b{at}_speedup_vs_fp32"), "bench_gate": r.get("bench_gate"),
+                          "validation": r["verdict"], "source": "this workspace's bench"})
+    for c in cells:
+        c.update(best=False, wins_by=None, runner_up=None)
+    for key in sorted({(c["model"], c["host_class"]) for c in cells}):
+        ok = sorted((c for c in cells if (c["model"], c["host_class"]) == key and c["p50_ms"] is not None
+                     and c["validation"] == "pass" and c["bench_gate"] != NOT_FASTER), key=lambda c: c["p50_ms"])
+        if ok:
+            ok[0]["best"] = True
+            if len(ok) > 1:
+                ok[0]["wins_by"] = round(ok[1]["p50_ms"] / ok[0]["p50_ms"], 3)
+                ok[0]["runner_up"] = f"{ok[1]['target']}/{ok[1]['precision']}"
+    return cells, where
+
+
+def matrix_html(cells: list[dict]) -> str:
+    """Per model: engines × host classes (p50 at the ranked batch, × its FP32 sibling), the winner per host class
+    in bold, and a line per host class: who wins and by how much, which INT8 engines are not faster there."""
+    if not cells:
+        return '<p class="empty">no bench rows with a host class</p>'
+    out = []
+    for model in dict.fromkeys(c["model"] for c in cells):
+        mine = [c for c in cells if c["model"] == model]
+        classes = sorted({c["host_class"] for c in mine})
+        engines = list(dict.fromkeys(c["engine"] for c in mine))
+        at = mine[0]["at"]
+        out.append(f"<h3>{_e(model)} (p50 ms at batch {at})</h3><table class=\"matrix\"><tr><th class=\"l\">engine"
+                   "</th>" + "".join(f"<th>{_e(h)}</th>" for h in classes) + "</tr>")
+        for name in engines:
+            row = [f'<td class="l">{_e(name)}</td>']
+            for h in classes:
+                c = next((c for c in mine if c["engine"] == name and c["host_class"] == h), None)
+                if c is None:
+                    row.append("<td>–</td>")
+                    continue
+                text = _f(c["p50_ms"], ".3f") + (f" ({c['vs_fp32']:.2f}× FP32)" if c.get("vs_fp32") else "")
+                if c["bench_gate"] == NOT_FASTER:
+                    text += " not faster here"
+                win = ' class="win"' if c["best"] else ""
+                row.append(f'<td title="{_e(c["source"])}"{win}>{_e(text)}</td>')
+            out.append("<tr>" + "".join(row) + "</tr>")
+        out.append("</table><ul>")
+        for h in classes:
+            best = next((c for c in mine if c["host_class"] == h and c["best"]), None)
+            line = f"{h}: " + (f"{best['target']}/{best['precision']} wins" + (
+                f", {best['wins_by']:.2f}× the next ({best['runner_up']})" if best["wins_by"] else "")
+                if best else "no engine passed")
+            slow = [c for c in mine if c["host_class"] == h and c["bench_gate"] == NOT_FASTER]
+            if slow:
+                line += "; not faster here: " + ", ".join(
+                    f"{c['engine']}" + (f" ({c['vs_fp32']:.2f}× its FP32 sibling)" if c.get("vs_fp32") else "")
+                    for c in slow)
+            out.append(f"<li>{_e(line)}</li>")
+        out.append("</ul>")
+    return "\n".join(out)
 
 
 def for_release(cfg, tree: Path) -> Report:
@@ -80,7 +208,8 @@ def for_release(cfg, tree: Path) -> Report:
     doc = json.loads((tree / "release.json").read_text())
     manifest = read_manifest(tree / doc["manifest"])
     verdict = _read(tree / "engine" / "kiln" / paths.VALIDATION_FILE) or {}
-    bench = (_read(tree / "engine" / "kiln" / paths.BENCH_FILE) or {}).get("metrics") or {}
+    bench_doc = _read(tree / "engine" / "kiln" / paths.BENCH_FILE) or {}
+    bench, benched_on = bench_doc.get("metrics") or {}, bench_doc.get("host_class")
     model = manifest.get("model")
     if doc.get("kind") == "index":
         metric, label = "recall@1", "recall@1"
@@ -96,7 +225,8 @@ def for_release(cfg, tree: Path) -> Report:
            "recipe": (manifest.get("build") or {}).get("recipe"), "engine": doc["artifact"],
            "accuracy_metric": label, "accuracy": (verdict.get("metrics") or {}).get(metric),
            "verdict": verdict.get("verdict", "missing"), "fallback_nodes": audit.get("fallback_nodes"),
-           "best": False, "note": f"{doc['registered_model']} v{doc['version']}",
+           "best": False, "note": f"{doc['registered_model']} v{doc['version']}"
+                                  + (f", benched on host class {benched_on}" if benched_on else ""),
            **{k: bench.get(k) for k in ("b1_p50_ms", "b1_p99_ms", "b8_p50_ms", "b8_p99_ms",
                                         "b1_speedup_vs_eager", "b8_speedup_vs_eager")}}
     manifests = {m.relative_to(tree / "chain").as_posix(): read_manifest(m)
@@ -240,6 +370,7 @@ CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1f2328;max-
 h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #d0d7de}
 table{border-collapse:collapse;margin:8px 0}th,td{border:1px solid #d0d7de;padding:3px 8px;text-align:right}
 th{background:#f6f8fa}td.l,th.l{text-align:left}tr.best td{font-weight:600;background:#dafbe1}
+td.win{font-weight:600;background:#dafbe1}
 .v-pass{color:#1a7f37}.v-fail{color:#cf222e}.v-not-run{color:#9a6700}.sub{color:#656d76}.empty{color:#656d76}
 svg text{font:11px system-ui,sans-serif}svg .t{font-size:13px;font-weight:600}svg .ax{stroke:#1f2328}
 svg .g{stroke:#eaeef2}svg .ln{fill:none;stroke:#8c959f}svg .pl{fill:#424a53}svg .edge{fill:none;stroke:#8c959f}
@@ -281,6 +412,11 @@ def render(r: Report) -> str:
                          + f'<td class="l v-{_e(x["verdict"])}">{_e(x["verdict"])}</td>'
                          + f'<td>{_e(_f(x.get("fallback_nodes"), "d"))}</td></tr>')
         parts.append("</table>")
+    parts.append('<h2 id="host-classes">Per host class: engine × host class</h2><p class="sub">Each host class '
+                 "(the CPU's ISA tier) keeps its own bench rows in the registry; bold: the fastest engine there that "
+                 "passed its gate. An INT8 engine that does not beat its FP32 sibling by the bench margin with "
+                 "confidence on a host class is marked not faster here and never wins there.</p>")
+    parts.append(matrix_html(r.matrix))
     parts.append('<h2 id="accuracy-latency">Accuracy vs latency (batch 1, p50)</h2><div class="plots">')
     for model in models:
         pts = [{"x": x.get("b1_p50_ms"), "y": x.get("accuracy"), "label": f"{x.get('target')}/{x.get('precision')}",

@@ -467,3 +467,91 @@ def test_a_live_holder_on_this_host_keeps_its_lock_even_past_its_lease():
     assert not Registry._is_stale({"host": "elsewhere", "pid": "1", "expires": str(now + LEASE_S)})
     assert Registry._is_stale({"host": here, "pid": str(os.getpid()), "expires": str(now - 10 * LEASE_S)})
     assert Registry._is_stale({"host": here, "pid": str(os.getpid()), "expires": "soon"})
+
+
+# ---------------------------------------------------------------------------------------------- host classes
+BENCH_IDENTITY = {"toolchain": {}, "code": {"pipeline/stages/bench.py": "c0de"}, "params": {}}
+
+
+def test_bench_verdicts_round_trip_including_not_faster_here(cfg, tmp_path):
+    """Every bench verdict, `not-faster-here` included, is written and read back as itself; another one is refused."""
+    from pipeline.gates import benchgate
+
+    make_engine(tmp_path, cfg, FP32, b"fp32")
+    make_engine(tmp_path, cfg, INT8, b"int8")
+    assert "not-faster-here" in benchgate.VERDICTS
+    for verdict in benchgate.VERDICTS:
+        benchgate.write(cfg, "embedder", {FP32: "pass", INT8: verdict}, [], BENCH_IDENTITY, tmp_path)
+        assert benchgate.check(cfg, INT8, tmp_path) == verdict and benchgate.check(cfg, FP32, tmp_path) == "pass"
+    with pytest.raises(AssertionError):
+        benchgate.write(cfg, "embedder", {FP32: "pass", INT8: "slow"}, [], BENCH_IDENTITY, tmp_path)
+
+
+def _bench_rows(root: Path, cfg, gate: str, **row) -> None:
+    """This host's bench of the embedder (bench.json) and INT8's verdict file, as bench@embedder writes them."""
+    from pipeline.gates import benchgate
+
+    b = paths.bench("embedder", root)
+    b.mkdir(parents=True, exist_ok=True)
+    (b / "bench.json").write_text(json.dumps({"engines": {INT8: {**row, "bench_gate": gate}, FP32: {}}}))
+    benchgate.write(cfg, "embedder", {FP32: "pass", INT8: gate}, [], BENCH_IDENTITY, root)
+
+
+def test_a_second_host_class_adds_its_bench_rows_to_the_same_version(cfg, root, monkeypatch, capsys):
+    """The same content benched on host class A, then on B: one version, A's rows unchanged, B's beside them; a
+    rerun from A changes nothing; B's `not-faster-here` (an immutable run parameter) is said in promote's record."""
+    from pipeline import leaderboard, report
+
+    A, B = "x86-64-avx512-vnni", "x86-64-avx2"
+    make_engine(root, cfg, FP32, b"fp32")
+    make_engine(root, cfg, INT8, b"int8")
+    _bench_rows(root, cfg, "pass", b1_p50_ms=2.0, b1_speedup_vs_fp32=3.0)
+    r1 = register(cfg, INT8, root, host_class=A)
+    c = client()
+    first = dict(c.get_model_version(r1.name, "1").tags)
+    assert r1.new and first["kiln.host_class"] == A and first["kiln.host_classes"] == A
+    assert first[f"bench.{A}.b1_p50_ms"] == "2" and first[f"bench.{A}.verdict"] == "pass"
+    assert not any(k.startswith(f"bench.{B}.") for k in first)
+
+    _bench_rows(root, cfg, "not-faster-here", b1_p50_ms=5.0, b1_speedup_vs_fp32=1.04)    # host class B
+    r2 = register(cfg, INT8, root, host_class=B)
+    assert not r2.new and r2.version == 1 and r2.sha256 == r1.sha256 and r2.host_class_added == B
+    assert len(c.search_model_versions(f"name = '{r1.name}'")) == 1                     # rows added, no version
+    second = dict(c.get_model_version(r1.name, "1").tags)
+    assert {k: v for k, v in second.items() if k in first and k != "kiln.host_classes"} == \
+        {k: v for k, v in first.items() if k != "kiln.host_classes"}                     # A's rows unchanged
+    assert second[f"bench.{B}.b1_p50_ms"] == "5" and second[f"bench.{B}.b1_speedup_vs_fp32"] == "1.04"
+    assert second[f"bench.{B}.verdict"] == "not-faster-here" and second["kiln.host_class"] == A
+    assert second["kiln.host_classes"] == f"{B},{A}"
+    run = c.get_run(c.get_model_version(r1.name, "1").run_id).data
+    assert run.params[f"kiln.bench.{A}.verdict"] == "pass" and run.params[f"kiln.bench.{B}.verdict"] == \
+        "not-faster-here"
+    assert run.metrics[f"bench.{A}.b1_p50_ms"] == 2.0 and run.metrics[f"bench.{B}.b1_p50_ms"] == 5.0
+
+    _bench_rows(root, cfg, "pass", b1_p50_ms=9.0, b1_speedup_vs_fp32=1.5)               # A again, other numbers
+    r3 = register(cfg, INT8, root, host_class=A)
+    assert not r3.new and r3.host_class_added is None
+    assert dict(c.get_model_version(r1.name, "1").tags) == second                        # nothing replaced
+
+    from pipeline.registry.registration import bench_rows        # what `kiln history` shows per host class
+    assert [(r["version"], r["host_class"], r["verdict"], r["b1_p50_ms"], r["first"]) for r in
+            bench_rows(cfg, INT8, root)] == [(1, B, "not-faster-here", 5.0, False), (1, A, "pass", 2.0, True)]
+
+    rows, _ = leaderboard.rows(cfg, root)                    # `kiln report`: the matrix engine × host class
+    cells, _ = report.host_matrix(cfg, rows, root)
+    mine = {c_["host_class"]: c_ for c_ in cells if c_["engine"] == INT8}
+    assert set(mine) == {A, B} and mine[B]["bench_gate"] == "not-faster-here" and mine[A]["p50_ms"] == 2.0
+    assert "not faster here" in report.matrix_html(cells)
+
+    m = registry.promote(cfg, r1.name, 1, root)           # marked, not refused: where it runs decides
+    assert m.changed and "not faster here on host class x86-64-avx2" in m.reason
+    assert aliases(r1.name)["production"] == 1
+    assert "not faster here on host class x86-64-avx2" in registry.history(cfg, r1.name, root)[-1].reason
+
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")    # `kiln history`: the moves, then a row per host class
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    assert cli.main(["history", r1.name]) == 0
+    out = capsys.readouterr().out
+    assert "bench per host class" in out and "not faster here on host class x86-64-avx2" in out
+    assert {l.split("|")[2].strip() for l in out.splitlines() if l.startswith("| v1 ")} == {A, B}

@@ -1,11 +1,14 @@
 """One engine's bench verdict, alone and without timings: written by bench@<model>, read by register@<engine>.
 
 bench@ times every engine of a model side by side; its timings are records (never cached, never the same twice).
-What registration needs from it is only the verdict — an INT8 engine must beat its FP32 sibling — so each engine's
-verdict is its own small file in a cached directory (`artifacts/bench/<model>/gate/<engine>.json`) holding the
-digests of the builds it is about (the engine, its validation verdict, the FP32 sibling of an INT8 engine), the
-gate applied and pass / fail / not-run. The same builds and verdicts give the same bytes: a bench rerun, or another engine added to
-the model (another host's target), stales no registration.
+What registration needs from it is only the verdict — an INT8 engine must beat its FP32 sibling by the margin, with
+confidence (pipeline/gates/timing.py `int8_decision`) — so each engine's verdict is its own small file in a cached
+directory (`artifacts/bench/<model>/gate/<engine>.json`) holding the digests of the builds it is about (the engine,
+its validation verdict, the FP32 sibling of an INT8 engine), the gate applied and its verdict: pass / not-faster-here
+(an INT8 engine that does not pay on this host class: registrable, never a leaderboard winner, said in promote's
+record) / not-run / fail (written by older benches; register@ refuses it without --allow-failed). The same builds and
+verdicts give the same bytes: a bench rerun, or another engine added to the model (another host's target), stales
+no registration.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from pipeline.errors import KilnError
 from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_path, verify_manifest,
                                write_json_atomic, write_manifest)
 
-VERDICTS = ("pass", "fail", "not-run")
+NOT_FASTER = "not-faster-here"
+VERDICTS = ("pass", "fail", "not-run", NOT_FASTER)
 
 
 def directory(model: str, root: Path = Path(".")) -> Path:
@@ -69,14 +73,18 @@ def write(cfg, model: str, verdicts: dict[str, str], inputs: list[dict], identit
             write_json_atomic(files[-1], doc(cfg, cfg.engine(name), verdict, root))
         write_manifest(g, build_manifest(
             kind="bench-gate", name=model, model=model, directory=g, files=files, inputs=inputs,
-            build={"gate": "an INT8 engine must be faster than its FP32 sibling on the same target",
+            build={"gate": "an INT8 engine must beat its FP32 sibling on the same target, at every benched batch: the "
+                           "median of the per-round FP32/INT8 p50 ratios ≥ bench.int8_min_speedup (the margin) and "
+                           "either their spread (max − min) < margin − 1 or every round's ratio ≥ margin; else "
+                           "not-faster-here (not a failure)",
                    "timings": "none: the same builds and verdicts give the same bytes"},
             results={"verdicts": dict(sorted(verdicts.items()))}, **identity))
     return directory(model, root)
 
 
 def check(cfg, engine_name: str, root: Path = Path(".")) -> str | None:
-    """The bench verdict of `engine_name` (pass / fail / not-run), or None when its model was not benched here.
+    """The bench verdict of `engine_name` (pass / fail / not-run / not-faster-here), or None when its model was not
+    benched here.
     A verdict that does not match its manifest, or is about other builds than the current engine, its validation
     and its FP32 sibling, is refused."""
     e = cfg.engine(engine_name)
@@ -101,4 +109,4 @@ def check(cfg, engine_name: str, root: Path = Path(".")) -> str | None:
     return verdict
 
 
-__all__ = ["VERDICTS", "check", "directory", "doc", "fp32_sibling", "path", "refs", "write"]
+__all__ = ["NOT_FASTER", "VERDICTS", "check", "directory", "doc", "fp32_sibling", "path", "refs", "write"]

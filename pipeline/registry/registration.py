@@ -10,6 +10,13 @@ metrics and the record of its build (git commit, host), and registered as a vers
 * The digests a version will be checked against (content, manifest, verdict manifest) are logged as run
   parameters, which MLflow never lets anyone change; tags are conveniences for search and display (the digest
   tags must agree with those parameters: pipeline/registry/releases.py).
+* Bench results are per host class (pipeline/toolchain.py `host_class`): a version carries the tag `kiln.host_class`
+  (the class of the host that benched it first), `kiln.host_classes` (every class with rows), and per class its rows:
+  version tags and run metrics `bench.<host class>.<metric>` (b1_p50_ms, b8_speedup_vs_fp32, …) plus the tag
+  `bench.<host class>.verdict`, whose immutable copy is the run parameter `kiln.bench.<host class>.verdict` (promote
+  reads that one). Registering the same content again from another host class ADDS that class's rows to the existing
+  version (still idempotent by content: no new version); a class that has rows keeps them — a rerun from the same
+  class changes nothing, and no class's rows ever replace another's.
 * A registration killed half-way converges on the next `register` / `kiln registry sync`: its RUNNING runs are
   marked KILLED, and a version created without its alias gets it, recorded (`_complete`).
 * Only a passing verdict makes a `candidate`. A `not-run` verdict (a build-only engine: no runtime on the build
@@ -57,6 +64,7 @@ class Receipt:
     manifest_xxh3_128: str
     validation_manifest_xxh3_128: str
     repaired: bool = False    # an interrupted registration of this version was completed (its alias, its record)
+    host_class_added: str | None = None   # an existing version got this host class's bench rows
 
     def content(self) -> dict[str, str]:
         """What was registered, by content only: identical in every registry and every clone."""
@@ -75,6 +83,7 @@ class Registrable:
     tags: dict[str, str]      # descriptive: model/target/precision/recipe, or spec/size
     metrics: dict[str, Any] = field(default_factory=dict)
     record: dict[str, Any] | None = None     # the build's record (commit, host), when this host built it
+    host_class: str | None = None            # the host class `metrics` were benched on (None: not benched)
 
     @property
     def manifest_file(self) -> Path:
@@ -106,23 +115,31 @@ def _flat(prefix: str, value: Any) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- what to register
-def engine_registrable(cfg, engine_name: str, root: Path = Path(".")) -> Registrable:
-    from pipeline import stage
+def engine_registrable(cfg, engine_name: str, root: Path = Path("."), host_class: str | None = None) -> Registrable:
+    """An engine as registration sees it, with its bench row when its model was benched. `host_class`: the class the
+    bench belongs to; default the one the bench report names (the host that benched it), else the class of the ISA
+    list it recorded (a report from before host classes)."""
+    from pipeline import stage, toolchain
 
     spec = cfg.engine(engine_name)
-    bench = {}
+    bench, doc = {}, {}
     bench_file = paths.bench(spec.model, root) / paths.BENCH_FILE
     if bench_file.is_file():
         try:
-            bench = (json.loads(bench_file.read_text()).get("engines") or {}).get(engine_name) or {}
+            doc = json.loads(bench_file.read_text())
+            bench = (doc.get("engines") or {}).get(engine_name) or {}
         except (ValueError, AttributeError):
             raise KilnError(f"{bench_file}: not valid bench results",
                             f"rerun dvc repro -f {address(f'bench@{spec.model}')}") from None
+    if bench and host_class is None:
+        host_class = doc.get("host_class") or (toolchain.host_class(
+            {"machine": toolchain.cpu()["machine"], "isa": doc["isa"]}) if doc.get("isa") else toolchain.host_class())
     tags = {"engine": engine_name, "model": spec.model, "target": spec.target, "precision": spec.precision}
     if spec.recipe:
         tags["recipe"] = spec.recipe
     return Registrable("engine", engine_name, paths.engine(engine_name, root), paths.validation(engine_name, root),
-                       tags, bench, stage.read_record(f"compile@{engine_name}", root))
+                       tags, bench, stage.read_record(f"compile@{engine_name}", root),
+                       host_class if bench else None)
 
 
 def index_registrable(cfg, size: int, root: Path = Path(".")) -> Registrable:
@@ -190,10 +207,11 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
             settle(reg, name)
             _end_killed_runs(reg, cfg, art)
             existing = reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = '{digest}'")
-            repaired = False
+            repaired, added = False, None
             if existing:
                 version, new = min(int(v.version) for v in existing), False
                 repaired = _complete(reg, name, art, version)
+                added = art.host_class if _add_host_rows(reg, name, version, art) else None
             else:
                 version, new = _log_and_register(reg, cfg, art, name, manifest, vmanifest, verdict, digest), True
     if new and verdict["verdict"] == "fail":
@@ -203,7 +221,71 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
         print(f"kiln: WARNING: {name} v{version} registered with a FAILED bench gate (--allow-failed); it has no "
               "alias", file=sys.stderr)
     return Receipt(name, version, digest, redact(reg.uri), new, verdict["verdict"], identity_digest(manifest),
-                   identity_digest(vmanifest), repaired)
+                   identity_digest(vmanifest), repaired, added)
+
+
+# ---------------------------------------------------------------------------------------------- host classes
+def bench_verdict_param(host_class: str) -> str:
+    """The run parameter holding a host class's bench verdict on a version (immutable, unlike the tags)."""
+    return f"{PARAM}bench.{host_class}.verdict"
+
+
+def _host_rows(art: Registrable) -> tuple[dict[str, str], dict[str, float]]:
+    """(version tags, run metrics) of `art`'s bench on its host class: `bench.<class>.<metric>` and its verdict."""
+    hc = art.host_class
+    values = _metrics(f"bench.{hc}", art.metrics)
+    tags = {k: format(v, "g") for k, v in values.items()}
+    tags[f"bench.{hc}.verdict"] = art.tags.get("bench_gate") or "not benched here"
+    return tags, values
+
+
+def host_classes(tags: dict[str, str]) -> list[str]:
+    """The host classes a version has bench rows for (its `kiln.host_classes` tag)."""
+    return sorted(c for c in (tags.get("kiln.host_classes") or "").split(",") if c)
+
+
+def bench_rows(cfg, name: str, root: Path = Path(".")) -> list[dict[str, Any]]:
+    """Every version's bench rows of registered model `name` (or engine name), one per (version, host class): what
+    `kiln history` shows per host class — its verdict and its numbers, as the version's tags hold them."""
+    name = registered_name(cfg, name)
+    reg = Registry(cfg, root)
+    out = []
+    with errors(reg.uri):
+        for v in sorted(reg.client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
+            tags = v.tags or {}
+            for hc in host_classes(tags):
+                head = f"bench.{hc}."
+                row = {k[len(head):]: float(x) for k, x in tags.items() if k.startswith(head) and k != head + "verdict"}
+                out.append({"version": int(v.version), "host_class": hc, "verdict": tags.get(head + "verdict"),
+                            "first": tags.get("kiln.host_class") == hc, **row})
+    return out
+
+
+def _add_host_rows(reg: Registry, name: str, version: int, art: Registrable) -> bool:
+    """Add `art`'s host-class bench rows to an existing version of the same content, unless that class has rows:
+    tags and metrics first, the immutable verdict parameter last (the mark that the rows are complete), so a kill
+    half-way is completed by the next registration. Another class's rows are never touched."""
+    from mlflow.entities import Metric, Param
+
+    hc = art.host_class
+    if art.kind != "engine" or not hc:
+        return False
+    mv = reg.version(name, version)
+    key = bench_verdict_param(hc)
+    if not mv.run_id or key in reg.client.get_run(mv.run_id).data.params:
+        return False
+    tags, values = _host_rows(art)
+    old = mv.tags or {}
+    tags["kiln.host_classes"] = ",".join(sorted({*host_classes(old), hc}))
+    if "kiln.host_class" not in old:        # a version registered before host classes, or unbenched then
+        tags["kiln.host_class"] = hc
+    for k, v in sorted(tags.items()):
+        reg.client.set_model_version_tag(name, str(version), k, v)
+    ts, model_id = int(time.time() * 1000), (mv.source or "").removeprefix("models:/") or None
+    reg.client.log_batch(mv.run_id, metrics=[Metric(k, v, ts, 0, model_id=model_id, run_id=mv.run_id)
+                                             for k, v in sorted(values.items())],
+                         params=[Param(key, tags[f"bench.{hc}.verdict"])])
+    return True
 
 
 def _alias_for(verdict: str, bench_gate: str | None) -> str | None:
@@ -259,6 +341,10 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
                  PARAM + "manifest_xxh3_128": ident, PARAM + "validation_manifest_xxh3_128": vident,
                  PARAM + "verdict": verdict["verdict"], PARAM + "params_sha256": (manifest.get("params") or {}).get(
                      "sha256", "")}
+    row_tags, row_metrics = _host_rows(art) if art.kind == "engine" and art.host_class else ({}, {})
+    if art.kind == "engine" and art.host_class:
+        tags |= {"kiln.host_class": art.host_class, "kiln.host_classes": art.host_class}
+        immutable[bench_verdict_param(art.host_class)] = row_tags[f"bench.{art.host_class}.verdict"]
     params = {**immutable, **_flat("build", manifest.get("build") or {})}
     for ref in manifest.get("inputs") or []:
         params[f"input.{ref.get('role', 'input')}"] = str(ref.get("xxh3_128", ""))
@@ -280,13 +366,15 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
             _link_or_copy(art.verdict_dir / paths.VALIDATION_FILE, staged / KILN_DIR / paths.VALIDATION_FILE)
             _link_or_copy(art.verdict_manifest, staged / KILN_DIR / art.verdict_manifest.name)
             if art.metrics:
-                write_json_atomic(staged / KILN_DIR / BENCH_FILE, {"artifact": art.name, "metrics": art.metrics})
+                write_json_atomic(staged / KILN_DIR / BENCH_FILE, {"artifact": art.name, "metrics": art.metrics,
+                                                                   "host_class": art.host_class})
             if art.record:
                 write_json_atomic(staged / KILN_DIR / RECORD_FILE, art.record)
             client.log_model_artifacts(model_id, str(staged))
         client.finalize_logged_model(model_id, "READY")
         ts = int(time.time() * 1000)
-        values = {**_metrics("validation", verdict.get("metrics") or {}), **_metrics("bench", art.metrics)}
+        values = {**_metrics("validation", verdict.get("metrics") or {}), **_metrics("bench", art.metrics),
+                  **row_metrics}
         if values:
             client.log_batch(run_id, metrics=[Metric(k, v, ts, 0, model_id=model_id, run_id=run_id)
                                               for k, v in sorted(values.items())])
@@ -308,7 +396,8 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     # = mlflow.register_model(f"models:/{model_id}", name, tags=tags), minus its global client and its chatter
-    mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
+    mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags | row_tags,
+                                     model_id=model_id)
     version = int(mv.version)
     if alias := _alias_for(verdict["verdict"], art.tags.get("bench_gate")):  # a failed bench gate: no alias either
         move_alias(reg, AliasMove(name, alias, reg.aliases(name).get(alias), version, "register", actor_name(), now(),

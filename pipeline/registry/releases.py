@@ -13,6 +13,10 @@
   against the digests logged as the version's run parameters at registration (run parameters cannot be changed
   afterwards, unlike tags); and the verdict is read from that verified validation.json, never from a tag. Editing
   a tag, a stored file, a manifest or the verdict is refused.
+* A version whose bench verdict is `not-faster-here` on a host class it was benched on (run parameter
+  `kiln.bench.<host class>.verdict`) is promoted with that said in the move's record and output
+  (`_not_faster_note`): it is correct, only not worth its INT8 there — where it is deployed decides, so promote
+  marks it instead of refusing it.
 * A built-only version (verdict `not-run`: no runtime on the build host) is promoted only once a host with the
   runtime validated it: `kiln validate-release` (pipeline/revalidate.py) logs that validation as a run of the
   experiment `kiln-validations`, its digests as run parameters; promote checks it exactly as the stored one.
@@ -382,6 +386,22 @@ def _move(reg: Registry, name: str, version: int, action: str, actor: str | None
                                      reason or f"{action} v{version}: {summary}"))
 
 
+def _not_faster_note(reg: Registry, name: str, version: int, reason: str | None) -> str | None:
+    """`reason` (or None: the default record) with a note when the version's bench verdict is `not-faster-here` on
+    a host class it was benched on (an INT8 engine that does not beat its FP32 sibling by bench.int8_min_speedup
+    there), read from its run's parameters `kiln.bench.<host class>.verdict` (immutable, unlike the tags)."""
+    mv = reg.version(name, version)
+    params = reg.client.get_run(mv.run_id).data.params if mv.run_id else {}
+    head, tail = PARAM + "bench.", ".verdict"
+    slow = sorted(k[len(head):-len(tail)] for k, v in params.items()
+                  if k.startswith(head) and k.endswith(tail) and v == "not-faster-here")
+    if not slow:
+        return reason
+    note = (f"not faster here on host class {', '.join(slow)}: this INT8 engine does not beat its FP32 sibling by "
+            "bench.int8_min_speedup there")
+    return f"{reason}; {note}" if reason else f"promote v{version}; {note}"
+
+
 def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: str | None = None,
             reason: str | None = None) -> AliasMove:
     """Move `production` to `version` of registered model `name` (or engine name) after proving it."""
@@ -396,6 +416,7 @@ def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: s
         with reg.lock(name):
             settle(reg, name)
             summary = check_version(reg, name, version)
+            reason = _not_faster_note(reg, name, version, reason)
             return _move(reg, name, version, "promote", actor, reason, summary)
 
 

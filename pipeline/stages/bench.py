@@ -4,14 +4,17 @@ All engines of the model and the PyTorch eager model ("the model just runs") are
 interleaved in rounds so machine noise hits them alike; ratios come from that one run. Cold start (verified load +
 session creation + first inference) and memory are measured in a fresh process per engine. Outputs are DVC metrics
 with `cache: false` (timings are records of one run: never restored from the run cache, and declared
-non-reproducible in the README), with a manifest binding them to the engines' and verdicts' digests. An INT8 engine
-that is not faster than its FP32 sibling on the same target fails its recipe (exit 1), after the numbers are
-written.
+non-reproducible in the README), with a manifest binding them to the engines' and verdicts' digests, and the host
+class they were measured on (toolchain.host_class). An INT8 engine must beat its FP32 sibling on the same target by
+`bench.int8_min_speedup` with confidence (pipeline/gates/timing.py `int8_decision`: the median per-round ratio ≥ the
+margin, and the rounds' spread < margin − 1 or every round ≥ the margin); one that does not is `not-faster-here`
+on this host class — printed, not a DAG failure: it stays registrable, is never a leaderboard winner, and
+promote says so in the move's record.
 
 Each engine's verdict is also written alone, without timings, to `gate/<engine>.json` (DVC-cached): the engine's
-and its verdict's digests (and the FP32 sibling's, for an INT8 engine), the gate applied, pass / fail / not-run.
-That file is what `register@<engine>` depends on, so a bench rerun with the same verdicts, or another engine added
-to the model (another host's target), stales no registration.
+and its verdict's digests (and the FP32 sibling's, for an INT8 engine), the gate applied, pass / not-faster-here /
+not-run. That file is what `register@<engine>` depends on, so a bench rerun with the same verdicts, or another
+engine added to the model (another host's target), stales no registration.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ def run(cfg, model_name: str, root: Path = Path("."), progress=print) -> BenchRe
     write_manifest(d, build_manifest(
         kind="bench", name=model_name, model=model_name, directory=d, files=[d / paths.BENCH_FILE], inputs=inputs,
         build={"rounds": ROUNDS, "timings": "one run's record: not reproducible, not cached"},
-        results={"verdict": result.report["verdict"], "failures": result.failures},
+        results={"verdict": result.report["verdict"], "failures": result.failures,
+                 "not_faster_here": sorted(n for n, x in result.report.get("int8", {}).items()
+                                           if x["verdict"] == benchgate.NOT_FASTER)},
         **STAGE.identity(cfg, model_name, root)))
     verdicts = {e.name: "not-run" if e.name in result.report["not_run"] else
                 result.report["engines"][e.name].get("bench_gate", "pass") for e in _engines(cfg, model_name)}
@@ -78,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         print(table(r.report, args.cfg.bench.batches))
         for name, why in r.report["not_run"].items():
             print(f"  {name}: built only, not timed — {why}")
+        print(f"host class: {r.report['host_class']}")
+        for name, x in r.report.get("int8", {}).items():
+            per_batch = ", ".join(f"b{b} {d['ratio']:.3f}× spread {d['spread']:.3f}" + (f" ({d['why']})" if d["why"]
+                                                                                          else "")
+                                  for b, d in x["batches"].items())
+            print(f"  {name} vs {x['fp32_sibling']}: {per_batch} — needs {x['rule']} → {x['verdict']}")
         if r.failures:
             raise GateFailed("; ".join(r.failures), "change the quantization recipe or drop the INT8 engine")
         return 0

@@ -5,8 +5,9 @@ validation verdict and its compile audit: p50 at batch 1 and 8, speed-up over Py
 ONNX Runtime FP32 engine (same run), the accuracy metric its gate reads, the fallback count. Per model the fastest
 engine that passed its gate is marked, at the batch a face system feeds that graph (`ranked_at`: 1, or the largest
 benched batch for the nets that get every candidate crop in one call); an engine that failed its gate, or was not
-run here, can never be marked. Writes artifacts/reports/leaderboard.json (flat rows, a DVC plot) and leaderboard.md
-(the README's table); the rows are pipeline/leaderboard.py's.
+run here, or an INT8 engine `not faster here` (bench verdict not-faster-here on this host class), can never be
+marked; the markdown names the host class the timings were measured on. Writes artifacts/reports/leaderboard.json
+(flat rows, a DVC plot) and leaderboard.md (the README's table); the rows are pipeline/leaderboard.py's.
 Timings are the bench's records, so both files are uncached like the bench itself.
 """
 
@@ -58,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         r = run(args.cfg)
         print(markdown(r.rows))
         for model, engine in r.winners.items():
-            print(f"  {model}: {engine}")
+            best = next(x for x in r.rows if x["engine"] == engine)
+            by = f", {best['wins_by']:.2f}× the next ({best['runner_up']})" if best.get("wins_by") else ""
+            print(f"  {model} on {best.get('host_class') or 'this host'}: {engine}{by}")
+        for x in r.rows:
+            if x.get("bench_gate") == "not-faster-here":
+                print(f"  {x['engine']}: not faster here ({x.get('host_class')}): never the winner")
         print(f"→ {r.json_path}, {r.md_path}")
         return 0
 

@@ -30,8 +30,11 @@ STAGE = stage.Stage(
     help="register a validated engine in MLflow (idempotent by content); new → 'candidate'")
 
 
-def run(cfg, engine_name: str, root: Path = Path("."), allow_failed: bool = False) -> reg.Receipt:
-    art = reg.engine_registrable(cfg, engine_name, root)
+def run(cfg, engine_name: str, root: Path = Path("."), allow_failed: bool = False,
+        host_class: str | None = None) -> reg.Receipt:
+    """Register the engine with its bench verdict and its bench rows, keyed by the host class they were measured on
+    (`host_class`; default the bench report's): the same content from another class adds that class's rows."""
+    art = reg.engine_registrable(cfg, engine_name, root, host_class)
     gate = benchgate.check(cfg, engine_name, root)          # None: its model was not benched here
     if gate == "fail" and not allow_failed:
         raise GateFailed(f"{engine_name}: its bench gate failed (an INT8 engine not faster than its FP32 sibling: "
@@ -50,7 +53,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="register an engine whose validation failed (no alias; promote refuses it)")
 
     def body(args, run_) -> int:
-        print_receipt(f"register@{args.key}", run(args.cfg, args.key, allow_failed=args.allow_failed), run_)
+        r = run(args.cfg, args.key, allow_failed=args.allow_failed)
+        print_receipt(f"register@{args.key}", r, run_)
+        if r.host_class_added:
+            print(f"  added the bench rows of host class {r.host_class_added} to {r.name} v{r.version}")
+        if (gate := benchgate.check(args.cfg, args.key)) == benchgate.NOT_FASTER:
+            print(f"  bench verdict {gate}: an INT8 engine not faster than its FP32 sibling on this host class; "
+                  "registered, but `kiln promote` refuses it")
         return 0
 
     return stage.main(STAGE, body, argv, build=extra, key_help="engine name from params.yaml `engines:`")
