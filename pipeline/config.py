@@ -334,7 +334,9 @@ class BenchConfig:
     warmup: Annotated[StrictInt, Field(ge=0)]
     min_runs: Count
     min_seconds: NonNeg
-    int8_min_speedup: NonNeg
+    # the INT8 margin: median per-round FP32/INT8 p50 ratio ≥ this, the rounds' spread < this − 1 or every round
+    # ≥ this (gates/timing.py int8_decision)
+    int8_min_speedup: NonNeg = 1.15
 
 
 @frozen
@@ -402,10 +404,25 @@ MTCNN = "mtcnn"     # the detector of a system that is the pnet → rnet → one
 
 
 @frozen
+class SystemGate:
+    """system@'s gate: the system's engines against the reference system on the photos (pipeline/systems.py).
+    The defaults are params.yaml's dlib-mtcnn values (justified there)."""
+    box_iou_min: Fraction = 0.9             # every reference face found again with at least this box IoU
+    faces_missed_max: Annotated[StrictInt, Field(ge=0)] = 0   # reference faces with no system face (IoU ≥ 0.5)
+    faces_extra_max: Annotated[StrictInt, Field(ge=0)] = 0    # system faces that match no reference face
+    identity_agreement_min: Fraction = 1.0  # identity or `unknown` equal to the reference's (full and leave-one-out)
+    decision_agreement_min: Fraction = 1.0  # same/different decisions, every pair of detected faces
+
+
+@frozen
 class SystemSpec:
-    """A face system `kiln identify --system NAME` runs: a detector and an embedder from `models:`."""
+    """A face system: a detector and an embedder from `models:`, and the engines system@ gates it with."""
     detector: Slug          # `mtcnn` (the cascade of models pnet, rnet, onet) or a model with samples: retinaface
     embedder: Slug          # a model with samples: chips
+    target: Slug = "ort-cpu"                # system@: each graph's engine on this target in `precision`, else
+    precision: Literal[PRECISIONS] = "int8"     # its FP32 one (as `kiln identify --target/--precision`) …
+    engines: dict[Slug, Slug] = field(default_factory=dict)   # … unless pinned here by name: {model: engine}
+    gate: SystemGate = field(default_factory=SystemGate)
     name: StrictStr = ""
 
 
@@ -613,6 +630,21 @@ def _check_systems(p: Params) -> list[tuple[str, str, str]]:
             embedders = [m for m, s in p.models.items() if roles.get(s.samples).task == "embed"]
             bad.append((f"systems.{name}.embedder", f"{sy.embedder!r} is not an embedder (samples: {_kinds('embed')})",
                         f"name one of: {', '.join(embedders)}"))
+        if sy.target not in p.targets:
+            bad.append((f"systems.{name}.target", f"no target named {sy.target!r}",
+                        f"name one of targets: {', '.join(sorted(p.targets))}"))
+        chips = p.models.get(sy.embedder)           # the aligner graph cuts the default chip geometry only
+        parts = {*(("pnet", "rnet", "onet") if sy.detector == MTCNN else (sy.detector,)), sy.embedder,
+                 *(("aligner",) if chips is not None and chips.preprocess is None else ())}
+        for model, engine in sy.engines.items():
+            e = p.engines.get(engine)
+            if model not in parts:
+                bad.append((f"systems.{name}.engines.{model}", f"{model!r} is not a graph of this system",
+                            f"pin engines of: {', '.join(sorted(m for m in parts if m in p.models))}"))
+            elif e is None or e.model != model:
+                what = "no such engine" if e is None else f"a {e.model} engine, not a {model} one"
+                bad.append((f"systems.{name}.engines.{model}", f"{engine!r}: {what}", "pin one of: " + (", ".join(
+                    sorted(k for k, v in p.engines.items() if v.model == model)) or "(none)")))
     if "embedder" not in p.models:
         bad.append(("models", "the face system needs an `embedder` model", "see the repository's params.yaml"))
     return bad

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # The groups of the root dvc.yaml, in the order it lists them.
-ROOT_GROUPS = ("register", "debug-precision", "trt-audit", "fallback-table", "leaderboard", "register-index")
+ROOT_GROUPS = ("register", "debug-precision", "trt-audit", "fallback-table", "leaderboard", "register-index", "system")
 OWN_FILES = {"toolchain": "toolchain/dvc.yaml"}
 
 

@@ -48,6 +48,29 @@ def graphs(cfg: Config, system: str = DEFAULT_SYSTEM) -> tuple[str, ...]:
     return (*det, *aligner, spec.embedder)
 
 
+def resolve(cfg: Config, system: str = DEFAULT_SYSTEM, target: str | None = None,
+            precision: str | None = None) -> dict[str, str]:
+    """Model → engine name for each graph of `system`: the engine of `target` in `precision`, else that target's
+    FP32 engine (`kiln identify --target/--precision`). Without `target`, the system's own choice (system@): its
+    pinned engines (`systems.<name>.engines`), then its `target` / `precision` for the other graphs."""
+    spec = cfg.system(system)
+    pins = spec.engines if target is None else {}
+    target, precision = target or spec.target, precision or spec.precision
+    picks = {}
+    for model in graphs(cfg, system):
+        if model in pins:
+            picks[model] = pins[model]
+            continue
+        options = [e for e in cfg.engines_of(model) if e.target == target]
+        pick = next((e for e in options if e.precision == precision), None) or \
+            next((e for e in options if e.precision == "fp32"), None)
+        if pick is None:
+            raise KilnError(f"no {target} engine for {model!r} in params.yaml `engines:`",
+                            f"add one (e.g. {model}-{target}-fp32) and build it: dvc repro")
+        picks[model] = pick.name
+    return picks
+
+
 @dataclass(frozen=True)
 class Match:
     box: tuple[float, float, float, float]
@@ -56,6 +79,7 @@ class Match:
     nearest: str
     distance: float        # L2 distance (metric l2) or cosine similarity (metric cosine) to the nearest
     metric: str = "l2"
+    embedding: np.ndarray | None = field(default=None, repr=False, compare=False)   # the embedder's raw output
 
 
 @dataclass
@@ -82,16 +106,8 @@ class System:
         With `release_dir`, each engine is instead its MLflow `production` version, downloaded there and verified
         against its checksums (what a release engineer ships), rather than the local build.
         """
-        picks = {}
-        for model in graphs(cfg, system):
-            options = [e for e in cfg.engines_of(model) if e.target == target]
-            pick = next((e for e in options if e.precision == precision), None) or \
-                next((e for e in options if e.precision == "fp32"), None)
-            if pick is None:
-                raise KilnError(f"no {target} engine for {model!r} in params.yaml `engines:`",
-                                f"add one (e.g. {model}-{target}-fp32) and build it: dvc repro")
-            picks[model] = pick.name
-        return cls.from_picks(cfg, f"{target}-{precision}", picks, root, release_dir, system)
+        return cls.from_picks(cfg, f"{target}-{precision}", resolve(cfg, system, target, precision), root,
+                              release_dir, system)
 
     @classmethod
     def fastest(cls, cfg: Config, root: Path = Path("."), release_dir: Path | None = None,
@@ -144,24 +160,16 @@ class System:
         return cls(name, nets, align, runners[spec.embedder].run, cfg, chosen, system=system)
 
     @classmethod
-    def eager(cls, cfg: Config, root: Path = Path(".")) -> "System":
-        """The default system (dlib-mtcnn) from its PyTorch reference modules."""
-        import torch
-
-        from pipeline import models
-
-        mods = {m: models.build(cfg.model(m), root) for m in GRAPHS}
-
-        def call(mod):
-            def run(*xs):
-                with torch.inference_mode():
-                    return mod(*(torch.from_numpy(x) for x in xs))
-            return run
-
-        nets = tuple((lambda f: (lambda x: tuple(t.numpy() for t in f(x))))(call(mods[m])) for m in NETS)
-        align, embed = call(mods["aligner"]), call(mods["embedder"])
-        return cls("pytorch-eager", nets, lambda i, t: align(i, t).numpy(), lambda c: embed(c).numpy(), cfg,
-                   {m: "pytorch" for m in mods})
+    def eager(cls, cfg: Config, root: Path = Path("."), system: str = DEFAULT_SYSTEM) -> "System":
+        """A system from its reference graphs: each model's PyTorch module, or, for a model delivered as an ONNX
+        file, that original file on ONNX Runtime (what its golden@ runs)."""
+        runs = {m: _reference(cfg.model(m), root) for m in graphs(cfg, system)}
+        spec = cfg.system(system)
+        nets = tuple(runs[m] for m in (NETS if spec.detector == MTCNN else (spec.detector,)))
+        align = (lambda i, t: runs["aligner"](i, t)[0]) if "aligner" in runs else None
+        return cls("pytorch-eager", nets, align, lambda c: runs[spec.embedder](c)[0], cfg,
+                   {m: "pytorch" if cfg.model(m).factory else "onnxruntime (original file)" for m in runs},
+                   system=system)
 
     # ------------------------------------------------------------------ running
     def _timed(self, stage: str, fn: Callable, *args):
@@ -253,8 +261,8 @@ class System:
                 found = [(n, 1.0 - d * d / 2.0) for n, d in found]
         thr = mcfg.verify_threshold
         same = (lambda d: d >= thr) if mcfg.metric == "cosine" else (lambda d: d < thr)  # noqa: E731
-        return [Match(f.box, f.score, n if same(d) else "unknown", n, d, mcfg.metric)
-                for f, (n, d) in zip(faces, found)]
+        return [Match(f.box, f.score, n if same(d) else "unknown", n, d, mcfg.metric, e)
+                for f, (n, d), e in zip(faces, found, emb)]
 
     def _search_index(self, emb: np.ndarray) -> list[tuple[str, float]]:
         from pipeline.matching import index as ix
@@ -263,3 +271,25 @@ class System:
         d, i = ix.search(built, emb, 1)
         return [(names[labels[j]] if labels[j] >= 0 else "distractor", float(dist))
                 for j, dist in zip(i[:, 0], d[:, 0])]
+
+
+def _reference(mcfg, root: Path) -> Callable[..., tuple[np.ndarray, ...]]:
+    """One model's reference graph as numpy inputs → tuple of numpy outputs."""
+    if mcfg.factory is None:
+        from pipeline import onnx_import
+
+        proto = onnx_import.load_source(mcfg, root)
+        onnx_import.check_source(proto, mcfg, mcfg.onnx.path)
+        run_feed, _ = onnx_import.reference_session(proto, mcfg.layout)
+        return lambda *xs: tuple(run_feed({f"x{i}": x for i, x in enumerate(xs)}))   # bound by position
+    import torch
+
+    from pipeline import models
+
+    mod = models.build(mcfg, root)
+
+    def run(*xs):
+        with torch.inference_mode():
+            out = mod(*(torch.from_numpy(x) for x in xs))
+        return tuple(t.numpy() for t in (out if isinstance(out, (tuple, list)) else (out,)))
+    return run

@@ -21,6 +21,8 @@ PROGRAM_FILE = "program.pt2"     # in program/<model>/
 ONNX_FILE = "model.onnx"         # in export/<model>/ and quantized/<model>-<recipe>/
 VALIDATION_FILE = "validation.json"
 BENCH_FILE = "bench.json"
+SYSTEM_FILE = "system.json"      # in systems/<name>/, beside VERDICT_FILE
+VERDICT_FILE = "verdict.json"
 
 
 def is_slug(name: object) -> bool:
@@ -86,6 +88,11 @@ def validation(name: str, root: Path = Path(".")) -> Path:
 
 def bench(model: str, root: Path = Path(".")) -> Path:
     return _under(root, "bench", slug(model, "model"))
+
+
+def system(name: str, root: Path = Path(".")) -> Path:
+    """system@<name>: system.json (what the system is) + verdict.json (its end-to-end gate) + manifest."""
+    return _under(root, "systems", slug(name, "system"))
 
 
 def receipt(name: str, root: Path = Path(".")) -> Path:
