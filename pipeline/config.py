@@ -177,7 +177,7 @@ class ModelConfig:
             raise ValueError("give the model exactly one source: `factory` (PyTorch) or `onnx` ({path, sha256})")
         if self.onnx is not None and self.weights is not None:
             raise ValueError("an ONNX model carries its weights: drop `weights` (the file is pinned by onnx.sha256)")
-        role = roles.get(self.samples)
+        role = roles.entry(self.samples)          # its task and source facts, without loading the role
         if self.preprocess is not None:
             if role.task != "embed":
                 raise ValueError(f"preprocess is for embedders (samples: {_kinds('embed')})")
@@ -550,7 +550,7 @@ def _check_thresholds(p: Params) -> list[tuple[str, str, str]]:
     """Every embedder has its verify_threshold."""
     bad: list[tuple[str, str, str]] = []
     for name, m in p.models.items():
-        if roles.get(m.samples).task == "embed" and m.verify_threshold is None:
+        if roles.entry(m.samples).task == "embed" and m.verify_threshold is None:
             bad.append((f"models.{name}.verify_threshold", f"an embedder (samples: {m.samples}) needs its threshold",
                         "e.g. verify_threshold: 0.6 (same person when L2 < 0.6)"))
     return bad
@@ -623,11 +623,11 @@ def _check_systems(p: Params) -> list[tuple[str, str, str]]:
             if missing := [n for n in ("pnet", "rnet", "onet") if n not in p.models]:
                 bad.append((f"systems.{name}.detector", f"the mtcnn cascade needs models {', '.join(missing)}",
                             "keep the MTCNN nets in models:"))
-        elif det is None or roles.get(det.samples).task != "detect":
+        elif det is None or roles.entry(det.samples).task != "detect":
             bad.append((f"systems.{name}.detector", f"{sy.detector!r} is neither `mtcnn` nor a {_kinds('detect')} "
                         "model", f"name `mtcnn` or a model with samples: {_kinds('detect')}"))
-        if sy.embedder not in p.models or roles.get(p.models[sy.embedder].samples).task != "embed":
-            embedders = [m for m, s in p.models.items() if roles.get(s.samples).task == "embed"]
+        if sy.embedder not in p.models or roles.entry(p.models[sy.embedder].samples).task != "embed":
+            embedders = [m for m, s in p.models.items() if roles.entry(s.samples).task == "embed"]
             bad.append((f"systems.{name}.embedder", f"{sy.embedder!r} is not an embedder (samples: {_kinds('embed')})",
                         f"name one of: {', '.join(embedders)}"))
         if sy.target not in p.targets:

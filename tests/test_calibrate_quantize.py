@@ -150,13 +150,14 @@ def test_calibration_artifact_records_ranges_and_provenance(calibrated, built, c
 def test_the_calibration_is_chosen_by_the_face_task_gate_and_every_result_is_kept(calibrated, built, cfg):
     """Every candidate is judged and recorded; the chosen one is the rule's best; its numbers are the gate's own
     numbers for the INT8 model quantize@ builds from it (the same ranges, the same recipe)."""
-    from pipeline.gates.evaluate import KEY_METRIC, OnnxRunner, evaluate_model
+    from pipeline.gates.evaluate import OnnxRunner, evaluate_model
+    from pipeline.roles import registry as roles
 
     d = paths.calibration("embedder", built)
     sel = json.loads((d / "selection.json").read_text())
     assert [t["method"] for t in sel["trials"]] == list(cfg.calibrate.candidates) == [t.method for t in
                                                                                        calibrated.trials]
-    metric, sign = KEY_METRIC["chips"]
+    metric, sign = roles.get("chips").key_metric, roles.get("chips").direction   # the gate's key metric (its role's)
     assert sel["metric"] == metric and sel["recipe"] == cfg.calibrate.select_recipe
     assert sel["chosen"] == calibrated.method == selection.choose(calibrated.trials, metric, sign).method
     values = {t["method"]: t["metrics"][metric] for t in sel["trials"]}

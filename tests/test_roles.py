@@ -60,6 +60,8 @@ def test_the_registry_is_what_config_accepts():
         e = registry.entry(name)
         assert e.module.startswith("pipeline.roles.") and registry.get(name).name == name
         assert registry.modules(name)[0] == e.module
+        role = registry.get(name)                      # the facts params checks read without loading the role
+        assert (e.task, e.onnx_only) == (role.task, role.onnx_only), name
 
 
 def test_config_refuses_an_unknown_role_naming_the_registered_ones(tmp_path):

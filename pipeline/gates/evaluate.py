@@ -13,9 +13,6 @@ from pipeline.config import ValidateConfig
 from pipeline.gates import facemetrics
 from pipeline.roles import registry as roles
 
-# The gate's key metric per role — (metric, +1 when higher is better): what ranks candidate models that all pass or
-# all fail the gate (calibrate@'s choice of method, `kiln mixed`'s sensitivity ranking). Each role declares it.
-KEY_METRIC = {name: (r.key_metric, r.direction) for name, r in roles.every().items()}
 
 
 class OnnxRunner:

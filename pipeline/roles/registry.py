@@ -1,9 +1,10 @@
 """The role registry: params.yaml `samples` value → the module and object implementing the role protocol
 (pipeline/roles/base.py). Adding a role is a new module in pipeline/roles/ and one entry here.
 
-Like the target registry, it names each role's module without importing it: config.py reads the names from here,
-so the params schema never loads feed or metric code, and a stage's code closure holds only the role modules it
-lists (`modules`, for its `dynamic`).
+Like the target registry, it names each role's module without importing it, with the two facts params checks need
+(its task, whether it comes only from an ONNX file): config.py reads those from here, so validating params.yaml
+never loads a role module, and a stage's code closure — and what it imports at run time — holds only the role
+modules it lists (`modules`, for its `dynamic`). tests/test_roles.py checks each entry agrees with its role.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from pipeline.errors import KilnError
 class Entry:
     module: str           # pipeline.roles.<module>
     attr: str             # the role object in it
+    task: str             # its `task` (embed | detect | cascade | align), for params checks
+    onnx_only: bool = False   # its `onnx_only`: the model must come from an ONNX file
 
 
 # In the order params errors list them.
 ROLES: dict[str, Entry] = {
-    "chips": Entry("pipeline.roles.embedder", "EMBEDDER"),
-    "pnet": Entry("pipeline.roles.mtcnn", "PNET"),
-    "rnet": Entry("pipeline.roles.mtcnn", "RNET"),
-    "onet": Entry("pipeline.roles.mtcnn", "ONET"),
-    "aligner": Entry("pipeline.roles.aligner", "ALIGNER"),
-    "retinaface": Entry("pipeline.roles.retinaface", "RETINAFACE"),
+    "chips": Entry("pipeline.roles.embedder", "EMBEDDER", "embed"),
+    "pnet": Entry("pipeline.roles.mtcnn", "PNET", "cascade"),
+    "rnet": Entry("pipeline.roles.mtcnn", "RNET", "cascade"),
+    "onet": Entry("pipeline.roles.mtcnn", "ONET", "cascade"),
+    "aligner": Entry("pipeline.roles.aligner", "ALIGNER", "align"),
+    "retinaface": Entry("pipeline.roles.retinaface", "RETINAFACE", "detect", onnx_only=True),
 }
 
 
@@ -53,7 +56,7 @@ def every() -> dict[str, object]:
 
 def with_task(task: str) -> list[str]:
     """The roles whose graphs do `task` in a face system (embed, detect, cascade, align)."""
-    return [n for n in ROLES if get(n).task == task]
+    return [n for n, e in ROLES.items() if e.task == task]
 
 
 def modules(name: str, gate: bool = False) -> list[str]:

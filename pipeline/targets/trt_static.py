@@ -6,11 +6,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline import paths, targets
+from pipeline import paths
 from pipeline.errors import KilnError
 from pipeline.targets.trt_onnx import static_audit
+from pipeline.targets.trt_options import TrtOptions
 
 TARGET = "tensorrt"
+
+
+def _options(cfg) -> TrtOptions:
+    """targets.tensorrt's options, by the target's own parser (pipeline/targets/trt_options.py) but without loading
+    the target module, so trt-audit@ and fallback-table do not depend on the TensorRT packages they never use."""
+    try:
+        return TrtOptions.parse(cfg.targets[TARGET].options)
+    except KilnError as err:
+        raise KilnError(f"{cfg.source}: {err.message}", err.hint) from None
 
 
 def audited_models(cfg) -> list[str]:
@@ -19,7 +29,7 @@ def audited_models(cfg) -> list[str]:
 
 
 def int8_source(cfg, model: str) -> list[str]:
-    recipe = targets.options(cfg, TARGET).int8_recipe
+    recipe = _options(cfg).int8_recipe
     return [paths.quantized(model, recipe).as_posix()] if model in cfg.quantize.models and recipe in cfg.recipes else []
 
 
@@ -30,7 +40,7 @@ def report_path(model: str, root: Path = Path(".")) -> Path:
 def source_for(cfg, model: str, precision: str, root: Path) -> tuple[Path, str]:
     """The ONNX a `precision` TensorRT engine of `model` is built from, and how it is named in reports."""
     if precision == "int8":
-        recipe = targets.options(cfg, TARGET).int8_recipe
+        recipe = _options(cfg).int8_recipe
         return paths.quantized(model, recipe, root) / "model.onnx", f"artifacts/quantized/{model}-{recipe}"
     return paths.export(model, root) / "model.onnx", f"artifacts/export/{model}"
 
@@ -40,7 +50,7 @@ def audits(cfg, model: str, root: Path = Path(".")) -> list[dict]:
     if TARGET not in cfg.targets:
         raise KilnError(f"{cfg.source}: targets: no `{TARGET}` entry", "add targets.tensorrt (see params.yaml)")
     cfg.model(model)
-    opts = targets.options(cfg, TARGET)
+    opts = _options(cfg)
     out = []
     for precision in opts.audit_precisions:
         onnx_path, label = source_for(cfg, model, precision, root)
