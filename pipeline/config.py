@@ -340,6 +340,19 @@ class BenchConfig:
 
 
 @frozen
+class SysbenchConfig:
+    """sysbench@<system>: sustained load on a face system (pipeline/sysbench/)."""
+    streams: tuple[Count, ...] = (1, 2, 4, 8)      # the sweep: concurrent streams, ascending
+    fps: Annotated[Float, Field(gt=0, le=240)] = 10.0                # frames per second per stream
+    resolution: tuple[Annotated[StrictInt, Field(ge=64, le=4096)], Annotated[StrictInt, Field(ge=64, le=4096)]] = \
+        (640, 480)                                                   # width, height of every frame
+    seconds: Annotated[Float, Field(gt=0, le=120)] = 5.0            # measured per stream count (after warm-up)
+    p99_budget_ms: Annotated[Float, Field(gt=0)] = 100.0           # frame arrival → match decision
+    max_batch: Count = 8                         # frames one worker takes at once (embedder + search batched)
+    workers: Annotated[StrictInt, Field(ge=0, le=64)] = 0          # worker processes; 0 = one per CPU core
+
+
+@frozen
 class RegisterConfig:
     experiment: Slug
     sqlite_path: StrictStr
@@ -426,6 +439,17 @@ class SystemSpec:
     name: StrictStr = ""
 
 
+@frozen
+class GalleryCompat:
+    """A system's new embedder against the gallery the production embedder enrolled (pipeline/gates/gallery_compat.py):
+    outside any limit, the system version is `re-enroll required`. Defaults: params.yaml's values (justified there)."""
+    top1_agreement_min: Fraction = 1.0      # probes whose identity (or `unknown`) is what same-engine probing gives
+    decision_flips_max: Annotated[StrictInt, Field(ge=0)] = 0   # probe × gallery same/different decisions changed
+    tar_delta_max: Fraction = 0.02          # |Δ true-accept rate| of the genuine pairs, cross vs same engine
+    far_delta_max: Fraction = 0.01          # |Δ false-accept rate| of the impostor pairs
+    distance_delta_max: NonNeg = 0.03       # largest change of one probe-to-gallery distance (the model's space)
+
+
 # ---------------------------------------------------------------------------------------------- root
 @frozen
 class Params:
@@ -443,6 +467,8 @@ class Params:
     register: RegisterConfig
     matching: MatchingConfig
     systems: dict[Slug, SystemSpec] = field(default_factory=dict)
+    gallery_compat: GalleryCompat = field(default_factory=GalleryCompat)
+    sysbench: SysbenchConfig = field(default_factory=SysbenchConfig)
 
 
 class Config:
@@ -615,8 +641,11 @@ def _check_matching(p: Params) -> list[tuple[str, str, str]]:
 
 def _check_systems(p: Params) -> list[tuple[str, str, str]]:
     """Each system's detector (mtcnn or a detect model) and embedder resolve, and the face system's `embedder`
-    model exists."""
+    model exists; the load test's stream counts ascend."""
     bad: list[tuple[str, str, str]] = []
+    if list(p.sysbench.streams) != sorted(set(p.sysbench.streams)):
+        bad.append(("sysbench.streams", f"{list(p.sysbench.streams)} is not ascending without repeats",
+                    "list the stream counts once each, smallest first (e.g. [1, 2, 4, 8])"))
     for name, sy in p.systems.items():
         det = p.models.get(sy.detector)
         if sy.detector == MTCNN:

@@ -96,6 +96,7 @@ class System:
     index: tuple[object, np.ndarray, tuple[str, ...]] | None = None   # (faiss index, row labels, identity names)
     timings: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     system: str = DEFAULT_SYSTEM
+    threads_used: dict[str, int | None] = field(default_factory=dict)   # model → intra-op threads (None: as built)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -129,8 +130,10 @@ class System:
 
     @classmethod
     def from_picks(cls, cfg: Config, name: str, picks: dict[str, str], root: Path = Path("."),
-                   release_dir: Path | None = None, system: str = DEFAULT_SYSTEM) -> "System":
-        """The system of one named engine per graph (model → engine name from params.yaml `engines:`)."""
+                   release_dir: Path | None = None, system: str = DEFAULT_SYSTEM,
+                   threads: int | None = None) -> "System":
+        """The system of one named engine per graph (model → engine name from params.yaml `engines:`); `threads`:
+        each engine's intra-op threads, where its target can be told (else as compiled: `threads_used`)."""
         chosen, dirs = {}, {}
         for model in graphs(cfg, system):
             pick = cfg.engine(picks[model])
@@ -147,7 +150,7 @@ class System:
                 raise KilnError(f"engine {pick.name} is not built",
                                 f"build it first: dvc repro {address(f'compile@{pick.name}')}")
             dirs[model], chosen[model] = paths.engine(pick.name, root), pick.name
-        runners = {m: engines.load(cfg.engine(picks[m]).target, d, picks[m]) for m, d in dirs.items()}
+        runners = {m: engines.load(cfg.engine(picks[m]).target, d, picks[m], threads) for m, d in dirs.items()}
         spec = cfg.system(system)
         nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m])
                      for m in (NETS if spec.detector == MTCNN else (spec.detector,)))
@@ -157,7 +160,9 @@ class System:
         else:
             size = cfg.model(spec.embedder).preprocess.chip_size
             chosen["align"] = f"pytorch reference warp {size}×{size} (no aligner engine for this chip geometry)"
-        return cls(name, nets, align, runners[spec.embedder].run, cfg, chosen, system=system)
+        made = cls(name, nets, align, runners[spec.embedder].run, cfg, chosen, system=system)
+        made.threads_used = {m: getattr(r, "threads", None) for m, r in runners.items()}
+        return made
 
     @classmethod
     def eager(cls, cfg: Config, root: Path = Path("."), system: str = DEFAULT_SYSTEM) -> "System":
@@ -172,12 +177,6 @@ class System:
                    system=system)
 
     # ------------------------------------------------------------------ running
-    def _timed(self, stage: str, fn: Callable, *args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        self.timings[stage] += (time.perf_counter() - t0) * 1e3
-        return out
-
     @property
     def _embedder(self):
         return self.cfg.model(self.cfg.system(self.system).embedder)
@@ -214,13 +213,46 @@ class System:
         self.engines["matching"] = f"{name} ({spec})"
 
     def identify(self, rgb: np.ndarray, exclude: int | None = None) -> list[Match]:
-        """Faces in `rgb`, best first; `exclude` drops one gallery entry (leave-one-out checks)."""
+        """Faces in `rgb`, best first; `exclude` drops one gallery entry (leave-one-out checks). Stage times add
+        up in `self.timings`."""
+        return self.identify_frames([rgb], self.timings, exclude)[0]
+
+    def identify_frames(self, frames: list[np.ndarray], timings: dict[str, float],
+                        exclude: int | None = None) -> list[list[Match]]:
+        """Faces per frame, as `identify` finds them, with the frames batched where it pays: detection and the
+        aligner run per frame (each frame its own pyramid; the aligner graph warps one image), then ONE embedder
+        call for every chip of every frame and ONE gallery search for all of them. Stage times (ms) add up in
+        `timings` (the caller's: a load test keeps one per worker)."""
         if self.gallery is None:
             raise RuntimeError("enroll() the gallery first")
-        data, spec, mcfg = self.cfg.data, self.cfg.system(self.system), self._embedder
+        faces = [self._detect(rgb, timings) for rgb in frames]
+        chips = [self._chips(rgb, f, timings) for rgb, f in zip(frames, faces) if f]
+        if not chips:
+            return [[] for _ in frames]
+        emb = self._timed(timings, "embed", self.embed, np.concatenate(chips) if len(chips) > 1 else chips[0])
+        found = self._match(emb, exclude, timings)
+        mcfg = self._embedder
+        thr = mcfg.verify_threshold
+        same = (lambda d: d >= thr) if mcfg.metric == "cosine" else (lambda d: d < thr)  # noqa: E731
+        out, at = [], 0
+        for f in faces:
+            out.append([Match(x.box, x.score, n if same(d) else "unknown", n, d, mcfg.metric, e)
+                        for x, (n, d), e in zip(f, found[at:at + len(f)], emb[at:at + len(f)])])
+            at += len(f)
+        return out
+
+    @staticmethod
+    def _timed(timings: dict[str, float], stage: str, fn: Callable, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        timings[stage] = timings.get(stage, 0.0) + (time.perf_counter() - t0) * 1e3
+        return out
+
+    def _detect(self, rgb: np.ndarray, timings: dict[str, float]) -> list:
+        data, spec = self.cfg.data, self.cfg.system(self.system)
         names = NETS if spec.detector == MTCNN else (spec.detector,)
-        nets = [(lambda s, f: (lambda x: self._timed(s, f, x)))(s, f) for s, f in zip(names, self.nets)]
-        in_nets = sum(self.timings[s] for s in names)
+        nets = [(lambda s, f: (lambda x: self._timed(timings, s, f, x)))(s, f) for s, f in zip(names, self.nets)]
+        in_nets = sum(timings.get(s, 0.0) for s in names)
         t0 = time.perf_counter()
         if spec.detector == MTCNN:
             faces = mtcnn.detect(rgb, *nets, mtcnn.DetectorConfig(min_face_size=data.min_face_size))
@@ -228,41 +260,44 @@ class System:
             dcfg = self.cfg.model(spec.detector)
             faces = roles.get(dcfg.samples).detect(rgb, nets[0], dcfg)
         # pyramid / anchors, crops, NMS and box maths: the detector's wall time minus what its nets took
-        self.timings["detect_glue"] += (time.perf_counter() - t0) * 1e3 - (sum(self.timings[s] for s in names) -
-                                                                          in_nets)
-        if not faces:
-            return []
+        glue = (time.perf_counter() - t0) * 1e3 - (sum(timings.get(s, 0.0) for s in names) - in_nets)
+        timings["detect_glue"] = timings.get("detect_glue", 0.0) + glue
+        return faces
+
+    def _chips(self, rgb: np.ndarray, faces: list, timings: dict[str, float]) -> np.ndarray:
+        """The embedder's input for `faces` of one frame: the aligner graph's warp, or the reference warp."""
+        mcfg = self._embedder
         pre = mcfg.preprocess
-        template = np.asarray(data.template if pre is None else pre.template)
+        template = np.asarray(self.cfg.data.template if pre is None else pre.template)
         theta = np.stack([chip_transform(f.landmarks, template) for f in faces])
         if self.align is not None:
             image = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32)
-            chips = np.ascontiguousarray(self._timed("align", self.align, image, theta), np.float32)
-        else:   # as the embedder's image sets were made: the reference warp, rounded to pixels, then its input
-            warp = lambda: samples.chip_input(mcfg, np.clip(np.rint(reference_warp(rgb, theta, pre.chip_size)),  # noqa: E731
-                                                            0, 255).astype(np.uint8))
-            chips = self._timed("align", warp)
-        emb = self._timed("embed", self.embed, chips)
+            return np.ascontiguousarray(self._timed(timings, "align", self.align, image, theta), np.float32)
+        # as the embedder's image sets were made: the reference warp, rounded to pixels, then its input
+        warp = lambda: samples.chip_input(  # noqa: E731
+            mcfg, np.clip(np.rint(reference_warp(rgb, theta, pre.chip_size)), 0, 255).astype(np.uint8))
+        return self._timed(timings, "align", warp)
+
+    def _match(self, emb: np.ndarray, exclude: int | None, timings: dict[str, float]) -> list[tuple[str, float]]:
+        """Nearest gallery identity and distance (cosine similarity for a cosine model) per embedding."""
+        mcfg = self._embedder
         if self.index is not None and exclude is None:
-            found = self._timed("match", self._search_index, emb)
-        else:
-            gal, who = self.gallery
-            keep = np.arange(len(who)) != (-1 if exclude is None else exclude)
-            gal_m, _ = as_l2(gal[keep], mcfg.verify_threshold, mcfg.metric)
-            q_m, _ = as_l2(emb, mcfg.verify_threshold, mcfg.metric)
+            return self._timed(timings, "match", self._search_index, emb)
+        gal, who = self.gallery
+        keep = np.arange(len(who)) != (-1 if exclude is None else exclude)
+        names = [n for n, k in zip(who, keep) if k]
+        gal_m, _ = as_l2(gal[keep], mcfg.verify_threshold, mcfg.metric)
+        q_m, _ = as_l2(emb, mcfg.verify_threshold, mcfg.metric)
 
-            def match(e):
-                d = np.linalg.norm(gal_m - e, axis=1)
-                j = int(np.argmin(d))
-                return [n for n, k in zip(who, keep) if k][j], float(d[j])
+        def search():
+            d = np.linalg.norm(gal_m[None] - q_m[:, None], axis=2)      # (queries, gallery)
+            j = np.argmin(d, axis=1)
+            return [(names[int(k)], float(d[i, k])) for i, k in enumerate(j)]
 
-            found = self._timed("match", lambda: [match(e) for e in q_m])
-            if mcfg.metric == "cosine":     # report the similarity the model's threshold is written in
-                found = [(n, 1.0 - d * d / 2.0) for n, d in found]
-        thr = mcfg.verify_threshold
-        same = (lambda d: d >= thr) if mcfg.metric == "cosine" else (lambda d: d < thr)  # noqa: E731
-        return [Match(f.box, f.score, n if same(d) else "unknown", n, d, mcfg.metric, e)
-                for f, (n, d), e in zip(faces, found, emb)]
+        found = self._timed(timings, "match", search)
+        if mcfg.metric == "cosine":     # report the similarity the model's threshold is written in
+            found = [(n, 1.0 - d * d / 2.0) for n, d in found]
+        return found
 
     def _search_index(self, emb: np.ndarray) -> list[tuple[str, float]]:
         from pipeline.matching import index as ix

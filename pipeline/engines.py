@@ -10,6 +10,7 @@ the manifest does not list never reach a loader. The copy lives as long as the r
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import tempfile
@@ -20,8 +21,11 @@ from pipeline.errors import KilnError
 from pipeline.manifest import check_files, manifest_path, read_manifest
 
 
-def load(target_name: str, engine_dir: Path, name: str | None = None):
-    """A Runner over the engine in `engine_dir` (manifest `<name>.manifest.json`, default: the directory's name)."""
+def load(target_name: str, engine_dir: Path, name: str | None = None, threads: int | None = None):
+    """A Runner over the engine in `engine_dir` (manifest `<name>.manifest.json`, default: the directory's name).
+
+    `threads`: the engine's intra-op threads instead of those it was compiled with, where its target's `load` takes
+    `threads=` (ort-cpu, openvino-cpu); the runner's `threads` says what it runs with (None: as compiled)."""
     engine_dir = Path(engine_dir)
     name = name or engine_dir.name
     mpath = manifest_path(engine_dir, name)
@@ -56,7 +60,8 @@ def load(target_name: str, engine_dir: Path, name: str | None = None):
     target = targets.get(target_name)
     try:
         target.check_package(private)
-        runner = target.load(private)
+        takes = threads is not None and "threads" in inspect.signature(target.load).parameters
+        runner = target.load(private, threads=threads) if takes else target.load(private)
     except BaseException:
         tmp.cleanup()
         raise

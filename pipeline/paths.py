@@ -95,6 +95,11 @@ def system(name: str, root: Path = Path(".")) -> Path:
     return _under(root, "systems", slug(name, "system"))
 
 
+def sysbench(name: str, root: Path = Path(".")) -> Path:
+    """sysbench@<name>: sysbench.json (the load sweep) + bottleneck.json: one run's timings, never cached."""
+    return _under(root, "sysbench", slug(name, "system"))
+
+
 def receipt(name: str, root: Path = Path(".")) -> Path:
     return _under(root, "registry", slug(name, "registered name"))
 

@@ -6,7 +6,8 @@ Two scopes, one renderer:
   accuracy and verdict, fallback count (the leaderboard's rows + the bench's tails), the matrix engine × host class
   (the registry's per-host-class bench rows of each engine's version, plus this workspace's bench: per host class
   the winner, by how much, and which INT8 engines are not faster there), an accuracy-vs-latency plot per model,
-  each gallery's recall/latency curve, and the provenance graph of every built engine (walked and verified: a
+  each gallery's recall/latency curve, each face system under sustained load (pipeline/report_systems.py: the
+  sweep, the stage split as a stacked bar, a roofline per system), and the provenance graph of every built engine (walked and verified: a
   broken node is drawn red);
 * a release (`kiln release` puts `report.html` in the signed tree): the same page built from the release's own
   files only (its registered bench, verdict, manifest and chain), so it is as deterministic as the archive.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import paths
+from pipeline import paths, report_systems
 from pipeline.errors import KilnError
 from pipeline.manifest import SUFFIX, atomic_path, read_manifest
 
@@ -40,6 +41,7 @@ class Report:
     broken: set[str] = field(default_factory=set)    # manifest paths whose files or links did not verify
     notes: list[str] = field(default_factory=list)
     matrix: list[dict[str, Any]] = field(default_factory=list)   # one cell per (engine, host class): host_matrix
+    systems: dict[str, dict[str, Any]] | None = None   # system → its sysbench@ + bottleneck (None: not in scope)
 
 
 # ---------------------------------------------------------------------------------------------- collecting
@@ -75,7 +77,8 @@ def for_workspace(cfg, root: Path = Path(".")) -> Report:
     matrix, where = host_matrix(cfg, rows, root)
     notes.append(where)
     return Report("Kiln build report", f"workspace {root.resolve().name}: {len(rows)} engines, "
-                  f"{len(curves)} galleries", rows, curves, manifests, broken, notes, matrix)
+                  f"{len(curves)} galleries", rows, curves, manifests, broken, notes, matrix,
+                  report_systems.collect(cfg, root))
 
 
 NOT_FASTER = "not-faster-here"           # = gates/benchgate.NOT_FASTER
@@ -435,6 +438,8 @@ def render(r: Report) -> str:
         parts.append(scatter(plot, "x", "y", "b1 p50 latency (ms, log)", "recall@1",
                              f"{gallery}: recall@1 vs latency", logx=True))
     parts.append("</div>")
+    if r.systems is not None:
+        parts += report_systems.section(r.systems)
     parts.append(f'<h2 id="provenance">Provenance ({len(r.manifests)} artifacts)</h2>'
                  '<p class="sub">Each box is an artifact with a manifest; an arrow runs from an input to what was '
                  'built from it. Red: its files or links did not verify.</p>')

@@ -26,6 +26,7 @@ from pipeline.dvcfiles import address, bare, read_locks
 NOT_REPRODUCIBLE = {
     "toolchain": "the host's fingerprint: its CPU flags, compilers and packages",
     "bench@": "timings of one run",
+    "sysbench@": "timings of one run under load (uncached)",
     "match@": "the index choice follows measured latency; its verdict and curve hold timings",
     "register-index@": "depends on the matching verdict's timings",
     "leaderboard": "ranks engines by the bench's timings",

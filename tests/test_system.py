@@ -161,3 +161,45 @@ def test_a_bad_system_name_is_one_error_line(root, capsys, monkeypatch):
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "kiln: error: system: no 'no-such-system' in this params file" and \
         [line for line in err if line.startswith("kiln:")] == [err[0]]
+
+
+def test_sysbench_runs_the_gated_system_under_load_and_keeps_its_timings_out_of_the_cache(root, tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A budget no CPU meets (1 ms): the sweep must stop by itself after its first point, within its bound; the
+    numbers land in the uncached outputs and the run record, and the report draws them. No number is asserted."""
+    import time
+
+    from pipeline.records import read_record
+    from pipeline.stages import sysbench
+    from pipeline.sysbench import load
+
+    def tiny(raw):
+        _fp32(raw)
+        raw["sysbench"].update(streams=[1, 2, 4], seconds=1.0, p99_budget_ms=1, workers=1)
+    params = write_params(tmp_path, tiny)
+    cfg = config.load(params)
+    system_stage.run(cfg, SYSTEM, root)                     # the gate sysbench@ requires
+    monkeypatch.chdir(root)
+    t0 = time.monotonic()
+    assert sysbench.main(["--params", str(params), SYSTEM]) == 0
+    took = time.monotonic() - t0
+    assert took < load.plan(cfg).bound_s + 300, took        # the bound plus worker start-up, on any host
+    out = capsys.readouterr().out
+    assert "streams at p99 ≤ 1 ms" in out and "host class" in out
+    d = paths.sysbench(SYSTEM, root)
+    sb = json.loads((d / "sysbench.json").read_text())
+    assert [p["streams"] for p in sb["points"]] == [1] and sb["stopped_at"] == 1 and sb["streams_at_budget"] == 0
+    pt = sb["points"][0]
+    assert pt["frames"] == pt["decided"] + pt["dropped"] > 0 and not pt["within_budget"]
+    gated = json.loads((paths.system(SYSTEM, root) / paths.SYSTEM_FILE).read_text())["engines"]
+    assert sb["engines"] == {m: e["engine"] for m, e in gated.items()}       # exactly what system@ gated
+    assert sb["plan"]["workers"] == 1 and set(sb["plan"]["threads_per_engine"]) == set(GRAPHS)
+    b = json.loads((d / "bottleneck.json").read_text())
+    assert set(b["graphs"]) == set(GRAPHS) and all(g["roofline"]["flops_per_frame"] > 0 for g in b["graphs"].values())
+    assert b["graphs"]["pnet"]["calls_per_frame"] > 1            # one P-Net call per pyramid level
+    record = read_record(f"sysbench@{SYSTEM}", root)
+    assert record["streams_at_budget"] == 0 and record["points"] == sb["points"] and record["host_class"]
+
+    from pipeline import report
+    html = report.render(report.for_workspace(cfg, root))
+    assert 'id="systems"' in html and "roofline" in html and f"{SYSTEM}: 0 stream(s)" in html

@@ -200,18 +200,20 @@ class OpenVinoCpu:
                            "unsupported_op_types": missing}
         return out
 
-    def load(self, engine_dir: Path) -> "OvRunner":
-        return OvRunner(engine_dir)
+    def load(self, engine_dir: Path, threads: int | None = None) -> "OvRunner":
+        return OvRunner(engine_dir, threads)
 
 
 class OvRunner:
     """Runner over an openvino-cpu engine: the IR compiled for this CPU with the engine's recorded properties."""
 
-    def __init__(self, engine_dir: Path) -> None:
+    def __init__(self, engine_dir: Path, threads: int | None = None) -> None:
         ov = _ov()
         config = json.loads((engine_dir / CONFIG_FILE).read_text())
+        props = config["properties"] if threads is None else {**config["properties"], "INFERENCE_NUM_THREADS": threads}
+        self.threads = props.get("INFERENCE_NUM_THREADS", 0)        # 0: the plugin's default
         core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(str(engine_dir / XML_FILE)), "CPU", config["properties"])
+        self.compiled = core.compile_model(core.read_model(str(engine_dir / XML_FILE)), "CPU", props)
         self.request = self.compiled.create_infer_request()
         self.input_names = [i.get_any_name() for i in self.compiled.inputs]
 

@@ -133,19 +133,21 @@ class OrtCpu:
                 other[f"{node.domain + '.' if node.domain else ''}{op}"] += 1
         return OpSupport(precision, dict(sorted(native.items())), fallback, dict(sorted(other.items())))
 
-    def load(self, engine_dir: Path) -> "OrtRunner":
-        return OrtRunner(engine_dir)
+    def load(self, engine_dir: Path, threads: int | None = None) -> "OrtRunner":
+        return OrtRunner(engine_dir, threads)
 
 
 class OrtRunner:
-    """Runner over a compiled ort-cpu engine, with the session options it was compiled for."""
+    """Runner over a compiled ort-cpu engine, with the session options it was compiled for (`threads`: another
+    intra-op thread count, e.g. one per worker when a load test runs several)."""
 
-    def __init__(self, engine_dir: Path) -> None:
+    def __init__(self, engine_dir: Path, threads: int | None = None) -> None:
         import onnxruntime as ort
 
         session = json.loads((engine_dir / SESSION_FILE).read_text())
+        self.threads = session["threads"] if threads is None else threads
         self.session = ort.InferenceSession(str(engine_dir / ENGINE_FILE),
-                                            OrtCpu._session_options(session["threads"], session.get("spin", False)),
+                                            OrtCpu._session_options(self.threads, session.get("spin", False)),
                                             providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
 
