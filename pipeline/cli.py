@@ -228,9 +228,29 @@ def _print_move(m) -> None:
     print(f"{m.action}: {m.name}@{m.alias} {was} → v{m.to_version} by {m.actor} at {m.at} ({m.reason})")
 
 
+def _system(args) -> bool:
+    """Whether NAME is a face system: `--system NAME`, or its registered name kiln-system-NAME."""
+    return args.system or args.name.startswith("kiln-system-")
+
+
+def _print_system_move(s) -> None:
+    if s.compat is not None:
+        print(f"gallery-compat: {s.compat.summary()}")
+    for m in (*s.parts, s.system):
+        _print_move(m)
+
+
 def cmd_promote(args) -> int:
     from pipeline import registry
 
+    if _system(args):
+        from pipeline.registry import systems
+
+        _print_system_move(systems.promote(_cfg(args), args.name, args.version, reason=args.reason,
+                                           re_enroll=args.re_enroll))
+        return 0
+    if args.re_enroll:
+        raise KilnError("--re-enroll is for a face system", "e.g. kiln promote --system dlib-mtcnn 2 --re-enroll")
     _print_move(registry.promote(_cfg(args), args.name, args.version, reason=args.reason))
     return 0
 
@@ -238,8 +258,36 @@ def cmd_promote(args) -> int:
 def cmd_rollback(args) -> int:
     from pipeline import registry
 
+    if _system(args):
+        from pipeline.registry import systems
+
+        _print_system_move(systems.rollback(_cfg(args), args.name, reason=args.reason, re_enroll=args.re_enroll))
+        return 0
+    if args.re_enroll:
+        raise KilnError("--re-enroll is for a face system", "e.g. kiln rollback --system dlib-mtcnn --re-enroll")
     _print_move(registry.rollback(_cfg(args), args.name, reason=args.reason))
     return 0
+
+
+def cmd_register_system(args) -> int:
+    from pipeline.registry import systems
+
+    r = systems.register_system(_cfg(args), args.name, allow_failed=args.allow_failed)
+    print(f"register-system: {'registered new version' if r.new else 'already registered as'} {r.name} v{r.version} "
+          f"(system gate {r.verdict}; sha256 {r.sha256[:12]}) at {r.tracking_uri}")
+    for p in r.parts:
+        print(f"  {p.model:<9} {p.registered_model} v{p.version}  manifest {p.xxh3_128}")
+    return 0
+
+
+def cmd_gallery_compat(args) -> int:
+    from pipeline.gates import gallery_compat
+
+    c = gallery_compat.compare(_cfg(args), args.candidate, args.production)
+    print(f"gallery-compat: probes embedded by {c.candidate} against a gallery enrolled by {c.production} "
+          f"(golden set of {c.model})")
+    print(gallery_compat.table(c))
+    return 1 if c.failures else 0
 
 
 def cmd_history(args) -> int:
@@ -247,6 +295,10 @@ def cmd_history(args) -> int:
     from pipeline.registry.registration import bench_rows
 
     cfg = _cfg(args)
+    if _system(args):
+        from pipeline.registry import systems
+
+        args.name = systems.registered(args.name)
     moves = registry.history(cfg, args.name, alias=args.alias)
     if not moves:
         print(f"history: no alias moves recorded for {args.name}")
@@ -254,6 +306,14 @@ def cmd_history(args) -> int:
         print(tables.markdown(["at (UTC)", "alias", "action", "from", "to", "actor", "reason"],
                               [(m.at, m.alias, m.action, "-" if m.from_version is None else f"v{m.from_version}",
                                 f"v{m.to_version}", m.actor, m.reason) for m in moves]))
+    if _system(args):
+        from pipeline.registry import systems
+
+        print("\nversions:")
+        print(tables.markdown(["version", "system gate", "embedder", "gallery", "parts"],
+                              [(f"v{v['version']}", v["verdict"], v["embedder"], v["gallery_compat"], v["parts"])
+                               for v in systems.versions(cfg, args.name)]))
+        return 0
     rows = bench_rows(cfg, args.name)
     if rows:   # what each host class measured, one row per (version, host class): a second host adds its own
         speed = sorted({k for r in rows for k in r if k.endswith(("_p50_ms", "_speedup_vs_fp32"))})
@@ -382,17 +442,38 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
             "classify the result: bit-identical, numerically equivalent, task-equivalent (exit 1 if below the "
             "target's claim)")
     p.add_argument("stage", help="a DAG stage, e.g. compile@embedder-aoti-cpu-fp32 or export@embedder")
+    system_help = ("NAME is a face system (params.yaml `systems:`), registered as kiln-system-NAME by kiln "
+                   "register-system: its version and every part move together")
+    re_enroll_help = ("a system whose embedder cannot read the production gallery (re-enroll required) is moved "
+                      "anyway: the gallery will be re-enrolled (recorded in the history)")
     p = add("promote", cmd_promote, "move 'production' to a registered version after proving its stored files and "
-            "its stored, digest-checked validation verdict (exit 1 if refused)")
-    p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
+            "its stored, digest-checked validation verdict (exit 1 if refused); --system: a whole face system")
+    p.add_argument("name", help="registered model (kiln-<engine>), engine name, or with --system a system name")
     p.add_argument("version", help="model version number")
     p.add_argument("--reason", help="why (recorded in the release history)")
-    p = add("rollback", cmd_rollback, "move 'production' back to the version it held before the current one")
-    p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
+    p.add_argument("--system", action="store_true", help=system_help)
+    p.add_argument("--re-enroll", action="store_true", help=re_enroll_help)
+    p = add("rollback", cmd_rollback, "move 'production' back to the version it held before the current one "
+            "(--system: every part of the system's previous version at once)")
+    p.add_argument("name", help="registered model (kiln-<engine>), engine name, or with --system a system name")
     p.add_argument("--reason", help="why (recorded in the release history)")
+    p.add_argument("--system", action="store_true", help=system_help)
+    p.add_argument("--re-enroll", action="store_true", help=re_enroll_help)
     p = add("history", cmd_history, "show the recorded alias moves (register, promote, rollback) of a model")
-    p.add_argument("name", help="registered model (kiln-<engine>) or engine name")
+    p.add_argument("name", help="registered model (kiln-<engine>), engine name, or with --system a system name")
     p.add_argument("--alias", help="only this alias (e.g. production)")
+    p.add_argument("--system", action="store_true", help="NAME is a face system: its moves and its versions' parts")
+    p = add("register-system", cmd_register_system, "register a version of a face system (kiln-system-NAME) from "
+            "system@NAME's output: every engine pinned by registered version and identity digest, thresholds, "
+            "preprocessing and the system verdict (idempotent by content; each engine must be registered)")
+    p.add_argument("name", help="system name from params.yaml `systems:`")
+    p.add_argument("--allow-failed", action="store_true",
+                   help="register a system whose gate failed (no alias; promote refuses it)")
+    p = add("gallery-compat", cmd_gallery_compat, "can CANDIDATE read a gallery PRODUCTION enrolled? probes "
+            "embedded by the candidate against the production engine's enrolment of the golden set: top-1 "
+            "agreement, decision flips, ΔTAR/ΔFAR beside same-engine probing (exit 1: re-enroll required)")
+    p.add_argument("candidate", help="embedder engine name (built here)")
+    p.add_argument("production", help="the embedder engine that enrolled the gallery")
     p = add("validate-release", cmd_validate_release, "validate a registered version on this host (the one a "
             "build-only version needs: a host with the runtime): download and verify it, run the face-task gate, "
             "attach the verdict to the registry; a pass makes it promotable (exit 1 = fail)")

@@ -1,0 +1,481 @@
+"""System versions: a face system registered, promoted, rolled back and recorded as one.
+
+`kiln register-system <name>` registers a version of MLflow model `kiln-system-<name>` from system@<name>'s output
+(artifacts/systems/<name>/: system.json, verdict.json, manifest), verified and current with params.yaml:
+
+* Each part — every engine system.json names, by model — is pinned by its registered version AND identity digest:
+  the version of `kiln-<engine>` whose registered manifest digest is the one system@ gated. A part not registered
+  is refused (`kiln register <engine>`). The pins are stored (kiln/parts.json) and logged as run parameters
+  (`kiln.part.<model>.{registered_model,version,xxh3_128,sha256}`), beside the digests of the system manifest
+  (whose files are system.json — thresholds, preprocessing, detector settings — and verdict.json) and of the pins
+  (`kiln.sha256`, the version's content digest): run parameters cannot be edited afterwards.
+* Idempotent by content, as engine registration (pipeline/registry/registration.py): the same system manifest with
+  the same pins is the same version, under the system's registry lock. A passing system becomes `candidate`; a failed
+  one is refused unless `allow_failed` (registered without an alias).
+
+`promote` proves the version before anything moves: its binding (releases.py `_binding`), every stored file against
+the stored manifest and the registered digests, the pins against the stored system.json, the system gate from the
+verified verdict.json, and each part with `check_version` (its stored, digest-checked verdict). When the system's
+embedder engine differs from the production system's, the candidate is measured against the gallery production
+enrolled (pipeline/gates/gallery_compat.py, limits `gallery_compat:`); outside the limits it is `re-enroll
+required`, refused unless `re_enroll` (recorded in the move's reason and its run's tags). Then every part's
+`production` moves to its pinned version and the system's last, under the system's lock and the parts' locks taken
+in sorted order (an engine promotion takes one part lock: no lock order can deadlock). `rollback` restores every
+part of the previous production version of the system at once; `history` is the engines' (`kiln-releases`).
+A part of the old version that is another registered model (the INT8 embedder replaced by the FP32 one) keeps its
+own `production`: the system's production version names what is deployed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from pipeline import paths
+from pipeline.dvcfiles import address
+from pipeline.errors import GateFailed, KilnError
+from pipeline.manifest import (artifact_digest, canonical_json, check_files, identity_digest, manifest_path,
+                               read_manifest, verify_manifest)
+from pipeline.registry.client import Registry, errors, redact, registered_name
+from pipeline.registry.registration import _complete, _end_killed_runs, _flat, _metrics
+from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, _binding, _move,
+                                        _not_faster_note, actor_name, check_version, download_verified, move_alias,
+                                        moves, now, production_stack, settle)
+
+PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name>
+PARTS_FILE = "parts.json"
+PART_KEYS = ("registered_model", "version", "xxh3_128", "sha256")
+
+
+def registered(name: str) -> str:
+    """`kiln-system-<name>` for a system name, or a registered system name given as is."""
+    bare = name.removeprefix(f"kiln-{PREFIX}")
+    return f"kiln-{PREFIX}{paths.slug(bare, 'system')}"
+
+
+def is_system(name: str) -> bool:
+    return name.startswith(f"kiln-{PREFIX}")
+
+
+def system_name(name: str) -> str:
+    return registered(name).removeprefix(f"kiln-{PREFIX}")
+
+
+@dataclass(frozen=True)
+class Part:
+    model: str                # the graph: pnet, rnet, onet, aligner, embedder, …
+    engine: str
+    registered_model: str
+    version: int
+    xxh3_128: str             # the engine manifest's identity digest system@ gated
+    sha256: str               # its registered content digest
+
+
+@dataclass(frozen=True)
+class SystemReceipt:
+    name: str                 # kiln-system-<system>
+    version: int
+    sha256: str
+    new: bool
+    verdict: str
+    parts: tuple[Part, ...]
+    tracking_uri: str
+
+
+@dataclass(frozen=True)
+class SystemMove:
+    system: AliasMove
+    parts: tuple[AliasMove, ...]
+    compat: Any = None        # gallery_compat.Compat when the embedder changed
+    re_enroll: bool = False
+
+
+def _parts_doc(parts) -> bytes:
+    return canonical_json([asdict(p) for p in parts])
+
+
+def _content(system: str, manifest: dict, parts) -> str:
+    """The version's content digest: the system's files (system.json + verdict.json) and its pins."""
+    return hashlib.sha256(canonical_json({"system": system, "files": artifact_digest(manifest),
+                                          "parts": json.loads(_parts_doc(parts))})).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- the local system
+def _local(cfg, system: str, root: Path) -> tuple[dict, dict, dict]:
+    """(manifest, system.json, verdict.json) of system@<system>'s output, verified and current with params.yaml."""
+    from pipeline.e2e import resolve
+
+    stage = address(f"system@{system}")
+    d = paths.system(system, root)
+    mpath = manifest_path(d, system)
+    if not mpath.is_file():
+        raise KilnError(f"{mpath}: missing; system {system} has not been gated here", f"run it: dvc repro {stage}")
+    manifest = read_manifest(mpath)
+    if (manifest.get("kind"), manifest.get("name")) != ("system", system):
+        raise KilnError(f"{mpath}: describes {manifest.get('kind')} {manifest.get('name')!r}, not system {system!r}",
+                        f"rerun it: dvc repro -f {stage}")
+    if problems := verify_manifest(mpath, root):
+        raise GateFailed(f"system {system}: its artifacts do not verify (edited, or an input changed since it was "
+                         "gated): " + "; ".join(problems[:3]), f"rerun it: dvc repro {stage}")
+    described = json.loads((d / paths.SYSTEM_FILE).read_text())
+    verdict = json.loads((d / paths.VERDICT_FILE).read_text())
+    gated = {m: e["engine"] for m, e in described["engines"].items()}
+    if gated != (want := resolve(cfg, system)):
+        raise KilnError(f"system {system}: gated with {gated}, but params.yaml now picks {want}",
+                        f"the system output is stale; rerun it: dvc repro {stage}")
+    return manifest, described, verdict
+
+
+def _pins(reg: Registry, cfg, system: str, described: dict) -> list[Part]:
+    """Each engine of the system, pinned to the registered version of exactly the build system@ gated."""
+    out = []
+    for model, e in sorted(described["engines"].items()):
+        engine, ident = e["engine"], e["xxh3_128"]
+        name = registered_name(cfg, engine)
+        hint = f"register it first: kiln register {engine} (or dvc repro {address(f'register@{engine}')})"
+        found = reg.client.search_model_versions(f"name = '{name}' and tags.xxh3_128 = '{ident}'")
+        found = [v for v in found if v.run_id and
+                 reg.client.get_run(v.run_id).data.params.get(PARAM + "manifest_xxh3_128") == ident]
+        if not found:
+            raise KilnError(f"system {system}: its {model} engine {engine} (manifest {ident}) is not registered", hint)
+        v = min(found, key=lambda v: int(v.version))
+        out.append(Part(model, engine, name, int(v.version), ident,
+                        reg.client.get_run(v.run_id).data.params[PARAM + "sha256"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- register
+def register_system(cfg, system: str, root: Path = Path("."), allow_failed: bool = False) -> SystemReceipt:
+    """Register system `system` once per content (manifest + pins); a failed system gate is refused unless allowed."""
+    root, system = Path(root), system_name(system)
+    manifest, described, verdict = _local(cfg, system, root)
+    if verdict.get("verdict") != "pass" and not allow_failed:
+        raise GateFailed(f"system@{system}: its gate failed ({'; '.join(verdict.get('failures') or [])[:300]}); "
+                         "not registered", "fix it, or register it deliberately with --allow-failed (no alias)")
+    reg, name = Registry(cfg, root), registered(system)
+    with errors(reg.uri):
+        parts = _pins(reg, cfg, system, described)
+        digest = _content(system, manifest, parts)
+        art = SimpleNamespace(name=PREFIX + system)          # what registration's repair helpers read
+        with reg.lock(name):
+            settle(reg, name)
+            _end_killed_runs(reg, cfg, art)
+            existing = reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = '{digest}'")
+            if existing:
+                version, new = min(int(v.version) for v in existing), False
+                _complete(reg, name, art, version)
+            else:
+                version, new = _log(reg, cfg, system, root, manifest, described, verdict, parts, digest), True
+    if new and verdict.get("verdict") != "pass":
+        print(f"kiln: WARNING: {name} v{version} registered with a FAILED system gate (--allow-failed); it has no "
+              "alias and `kiln promote` will refuse it", file=sys.stderr)
+    return SystemReceipt(name, version, digest, new, str(verdict.get("verdict")), tuple(parts), redact(reg.uri))
+
+
+def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described: dict, verdict: dict,
+         parts: list[Part], digest: str) -> int:
+    import shutil
+
+    from mlflow.entities import LoggedModelOutput, Metric, Param
+    from mlflow.exceptions import MlflowException
+
+    from pipeline import stage
+
+    client, name, artifact = reg.client, registered(system), PREFIX + system
+    eid = reg.experiment_id(cfg.register.experiment)
+    ident, parts_doc = identity_digest(manifest), _parts_doc(parts)
+    record = stage.read_record(f"system@{system}", root) or {}
+    embedder = next(p for p in parts if p.model == described["embedder"])
+    tags = {"kind": "system", "system": system, "sha256": digest, "xxh3_128": ident,
+            "validation": str(verdict.get("verdict")), "embedder": embedder.engine,
+            "parts": ",".join(f"{p.model}={p.registered_model}:v{p.version}" for p in parts),
+            "git_commit": str((record.get("git") or {}).get("commit", "unrecorded (restored from a cache)"))}
+    params = {PARAM + "artifact": artifact, PARAM + "kind": "system", PARAM + "system": system,
+              PARAM + "sha256": digest, PARAM + "manifest_xxh3_128": ident, PARAM + "verdict": tags["validation"],
+              PARAM + "parts_sha256": hashlib.sha256(parts_doc).hexdigest(),
+              **{f"{PARAM}part.{p.model}.{k}": str(getattr(p, k)) for p in parts for k in PART_KEYS},
+              **_flat("thresholds", described.get("thresholds") or {}),
+              **_flat("preprocessing", described.get("preprocessing") or {})}
+    run = client.create_run(eid, run_name=artifact, tags=tags)
+    run_id, model_id = run.info.run_id, None
+    try:
+        client.log_batch(run_id, params=[Param(k, v) for k, v in sorted(params.items())])
+        lm = client.create_logged_model(eid, name=artifact, source_run_id=run_id, tags=tags, params=params,
+                                        model_type="kiln-system")
+        model_id = lm.model_id
+        d = paths.system(system, root)
+        with tempfile.TemporaryDirectory(prefix="kiln-register-") as tmp:
+            staged = Path(tmp)          # copies, never links: the artifact store must not share the checkout's inodes
+            for f in (paths.SYSTEM_FILE, paths.VERDICT_FILE, manifest_path(d, system).name):
+                shutil.copyfile(d / f, staged / f)
+            (staged / KILN_DIR).mkdir()
+            (staged / KILN_DIR / PARTS_FILE).write_bytes(parts_doc)
+            client.log_model_artifacts(model_id, str(staged))
+        client.finalize_logged_model(model_id, "READY")
+        if values := _metrics("system", verdict.get("metrics") or {}):
+            ts = int(time.time() * 1000)
+            client.log_batch(run_id, metrics=[Metric(k, v, ts, 0, model_id=model_id, run_id=run_id)
+                                              for k, v in sorted(values.items())])
+        client.log_outputs(run_id, [LoggedModelOutput(model_id, step=0)])
+        client.set_terminated(run_id, "FINISHED")
+    except BaseException:
+        try:
+            if model_id:
+                client.finalize_logged_model(model_id, "FAILED")
+            client.set_terminated(run_id, "FAILED")
+        except MlflowException:
+            pass
+        raise
+    try:
+        client.create_registered_model(name, tags={"kind": "system", "system": system},
+                                       description=f"Kiln face system {system}")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
+    version = int(mv.version)
+    if verdict.get("verdict") == "pass":
+        move_alias(reg, AliasMove(name, CANDIDATE, reg.aliases(name).get(CANDIDATE), version, "register",
+                                  actor_name(), now(), f"registered system {system} sha256 {digest[:12]} (system gate "
+                                  "pass)"))
+    return version
+
+
+# ---------------------------------------------------------------------------------------------- verify
+@dataclass(frozen=True)
+class VerifiedSystem:
+    directory: Path
+    system: str
+    manifest: dict[str, Any]
+    described: dict[str, Any]     # system.json
+    verdict: dict[str, Any]       # verdict.json
+    parts: tuple[Part, ...]
+
+    @property
+    def embedder(self) -> Part:
+        return next(p for p in self.parts if p.model == self.described["embedder"])
+
+
+def download_system(reg: Registry, name: str, version: int, dst: Path) -> VerifiedSystem:
+    """Download a system version into `dst` and prove it: bound to what it was registered for, its files against
+    the stored manifest, the manifest, the pins and the content against the digests logged as run parameters, and
+    the pins against the stored system.json. Any mismatch is a GateFailed naming it."""
+    from mlflow.artifacts import download_artifacts
+
+    mv = reg.version(name, version)
+    params = dict(reg.client.get_run(mv.run_id).data.params) if mv.run_id else {}
+    need = ("artifact", "system", "sha256", "manifest_xxh3_128", "parts_sha256")
+    missing = [k for k in need if PARAM + k not in params] + ([] if params.get(PARAM + "kind") == "system" else
+                                                               ["kind"])
+    if missing:
+        raise GateFailed(f"{name} v{version}: its run has no system parameter {PARAM}{missing[0]}; it was not "
+                         "registered by kiln register-system", "register the system again (kiln register-system NAME)")
+    model_id = _binding(reg, name, version, mv, params)
+    local = Path(download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=str(dst),
+                                    tracking_uri=reg.engine_uri, registry_uri=reg.engine_uri))
+    system = paths.slug(params[PARAM + "system"], "system")
+    tampered = (f"{name} v{version}: stored artifacts do not match their registered digests (tampered or corrupted): "
+                "{}")
+    hint = "do not ship it; register the system again from a verified build (kiln register-system)"
+
+    def load(rel: str, parse=json.loads) -> Any:
+        try:
+            return parse((local / rel).read_bytes())
+        except (OSError, ValueError) as e:
+            raise GateFailed(tampered.format(f"{rel} unreadable ({type(e).__name__})"), hint) from None
+
+    mfile = manifest_path(local, system)
+    try:
+        manifest = read_manifest(mfile)
+    except KilnError as e:
+        raise GateFailed(tampered.format(e.message.replace(str(local) + os.sep, "")), hint) from None
+    problems = [] if (manifest.get("kind"), manifest.get("name")) == ("system", system) else [
+        f"the stored manifest describes {str(manifest.get('kind'))[:40]} {str(manifest.get('name'))[:100]!r}"]
+    problems += check_files(mfile, manifest)
+    if (d := identity_digest(manifest)) != params[PARAM + "manifest_xxh3_128"]:
+        problems.append(f"stored manifest's identity digest is {d}, registered {params[PARAM + 'manifest_xxh3_128']}")
+    raw_parts = load(f"{KILN_DIR}/{PARTS_FILE}", parse=lambda b: b)
+    if (d := hashlib.sha256(raw_parts).hexdigest()) != params[PARAM + "parts_sha256"]:
+        problems.append(f"stored {PARTS_FILE} digest is {d}, registered {params[PARAM + 'parts_sha256']}")
+    try:
+        parts = tuple(Part(**{**p, "version": int(p["version"])}) for p in json.loads(raw_parts))
+    except (ValueError, TypeError, KeyError):
+        raise GateFailed(tampered.format(f"{PARTS_FILE} is not a list of parts"), hint) from None
+    for p in parts:
+        if any(params.get(f"{PARAM}part.{p.model}.{k}") != str(getattr(p, k)) for k in PART_KEYS):
+            problems.append(f"the stored pin of {p.model} is not the registered one")
+    if not problems and _content(system, manifest, parts) != params[PARAM + "sha256"]:
+        problems.append("the content digest of the stored manifest and pins is not the registered one")
+    described, verdict = load(paths.SYSTEM_FILE), load(paths.VERDICT_FILE)
+    gated = {m: (e.get("engine"), e.get("xxh3_128")) for m, e in (described.get("engines") or {}).items()}
+    if gated != {p.model: (p.engine, p.xxh3_128) for p in parts}:
+        problems.append("the pinned parts are not the engines its system.json was gated with")
+    if verdict.get("system") != system:
+        problems.append(f"its verdict.json is about system {str(verdict.get('system'))[:100]!r}")
+    if problems:
+        raise GateFailed(tampered.format("; ".join(p.replace(str(local) + os.sep, "") for p in problems)), hint)
+    return VerifiedSystem(local, system, manifest, described, verdict, parts)
+
+
+def _prove(reg: Registry, name: str, version: int, scratch: Path) -> tuple[VerifiedSystem, str]:
+    """Gate one system version for production: verified, its system gate passed, every part's stored verdict too."""
+    v = download_system(reg, name, version, scratch / f"system-v{version}")
+    if v.verdict.get("verdict") != "pass":
+        raise GateFailed(f"{name} v{version}: its stored system verdict is {str(v.verdict.get('verdict'))[:40]!r}, "
+                         f"not 'pass' ({'; '.join(v.verdict.get('failures') or [])[:300]}); refusing to promote",
+                         "fix the system, gate it again (dvc repro system@NAME), register and promote that version")
+    for p in v.parts:
+        params = reg.client.get_run(reg.version(p.registered_model, p.version).run_id).data.params
+        if (params.get(PARAM + "manifest_xxh3_128"), params.get(PARAM + "sha256")) != (p.xxh3_128, p.sha256):
+            raise GateFailed(f"{name} v{version}: its part {p.registered_model} v{p.version} is no longer the build "
+                             "the system pinned", "register the system again (kiln register-system)")
+        check_version(reg, p.registered_model, p.version)
+    return v, (f"system gate pass (stored, digest-checked); {len(v.parts)} parts' validations pass (stored, "
+               "digest-checked)")
+
+
+# ---------------------------------------------------------------------------------------------- gallery
+def gallery_check(cfg, reg: Registry, candidate: VerifiedSystem, production: VerifiedSystem | None, root: Path,
+                  scratch: Path):
+    """The candidate's embedder against the gallery production's embedder enrolled (None: no production system, or
+    the same embedder build)."""
+    from pipeline.gates import gallery_compat
+
+    if production is None:
+        return None
+    new, old = candidate.embedder, production.embedder
+    if (new.model, new.xxh3_128) == (old.model, old.xxh3_128):
+        return None
+    if new.model != old.model:        # another embedder model: another vector space, nothing to measure
+        return gallery_compat.Compat(new.engine, old.engine, new.model, {}, {}, [
+            f"another embedder model ({old.model} → {new.model}): its vectors are in another space"])
+    new_dir, old_dir = (download_verified(reg, p.registered_model, p.version, scratch / f"gallery-{p.engine}-v"
+                                          f"{p.version}").directory for p in (new, old))
+    return gallery_compat.compare(cfg, new.engine, old.engine, root, new_dir, old_dir, new.model)
+
+
+# ---------------------------------------------------------------------------------------------- moves
+def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action: str, actor: str | None,
+              reason: str | None, summary: str, compat, re_enroll: bool) -> SystemMove:
+    """Every part's production to its pin, then the system's; under the parts' locks in sorted order (the caller
+    holds the system's)."""
+    note = ""
+    if compat is not None:
+        note = (f"gallery check: {compat.summary()}" if not compat.failures else
+                f"re-enroll: the gallery will be re-enrolled with {compat.candidate} (--re-enroll; "
+                f"{compat.summary()})")
+    text = "; ".join(x for x in (reason, note) if x) or None
+    with ExitStack() as stack:
+        for part in sorted({p.registered_model for p in v.parts}):
+            stack.enter_context(reg.lock(part))
+            settle(reg, part)
+        part_moves = []
+        for p in v.parts:
+            why = f"{action} of system {v.system} v{version}" + (f": {reason}" if reason else "")
+            part_moves.append(_move(reg, p.registered_model, p.version, action, actor,
+                                    _not_faster_note(reg, p.registered_model, p.version, why), summary))
+        m = _move(reg, name, version, action, actor, text, summary)
+    if m.changed and compat is not None:          # the record's own tags, beside its reason
+        run_id = (reg.version(name, version).tags or {}).get(f"{PRODUCTION}_release_run")
+        if run_id:
+            reg.client.set_tag(run_id, "gallery_compat", compat.verdict)
+            reg.client.set_tag(run_id, "re_enroll", str(bool(re_enroll and compat.failures)).lower())
+    return SystemMove(m, tuple(part_moves), compat, bool(re_enroll and compat is not None and compat.failures))
+
+
+def _require(reg: Registry, name: str) -> None:
+    try:
+        reg.require_model(name)
+    except KilnError as e:
+        raise KilnError(e.message, f"register it first: kiln register-system {system_name(name)}") from None
+
+
+def _version(version: int | str) -> int:
+    try:
+        return int(str(version).removeprefix("v"))
+    except ValueError:
+        raise KilnError(f"version must be a number, got {version!r}", "e.g. kiln promote --system NAME 3") from None
+
+
+def _compat_gate(cfg, reg, name: str, version: int, v: VerifiedSystem, current: int | None, root: Path,
+                 scratch: Path, re_enroll: bool, action: str):
+    prod = None if current is None or current == version else download_system(reg, name, current,
+                                                                              scratch / f"system-v{current}")
+    compat = gallery_check(cfg, reg, v, prod, root, scratch)
+    if compat is not None:
+        reg.client.set_model_version_tag(name, str(version), "gallery_compat", compat.verdict)
+        reg.client.set_model_version_tag(name, str(version), "gallery_compat.vs", f"{prod.embedder.engine} (v{current})")
+        if compat.failures and not re_enroll:
+            raise GateFailed(f"{name} v{version}: re-enroll required — its embedder {compat.candidate} cannot read the "
+                             f"gallery {compat.production} enrolled: {'; '.join(compat.failures)}; refusing to {action}",
+                             f"re-enrol the gallery with {compat.candidate}, then {action} with --re-enroll (recorded "
+                             f"in the history)")
+    return compat
+
+
+def promote(cfg, system: str, version: int | str, root: Path = Path("."), actor: str | None = None,
+            reason: str | None = None, re_enroll: bool = False) -> SystemMove:
+    """Move the system's `production`, and every part's, to `version` after proving it (module doc)."""
+    name, version, root = registered(system), _version(version), Path(root)
+    reg = Registry(cfg, root)
+    with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-system-") as tmp:
+        _require(reg, name)
+        with reg.lock(name):
+            settle(reg, name)
+            v, summary = _prove(reg, name, version, Path(tmp))
+            compat = _compat_gate(cfg, reg, name, version, v, reg.aliases(name).get(PRODUCTION), root, Path(tmp),
+                                  re_enroll, "promote")
+            return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll)
+
+
+def rollback(cfg, system: str, root: Path = Path("."), actor: str | None = None, reason: str | None = None,
+             re_enroll: bool = False) -> SystemMove:
+    """Move the system back to the production version it held before the current one, every part at once."""
+    name, root = registered(system), Path(root)
+    reg = Registry(cfg, root)
+    with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-system-") as tmp:
+        _require(reg, name)
+        with reg.lock(name):
+            settle(reg, name)
+            stack = production_stack(moves(reg, name))
+            current = reg.aliases(name).get(PRODUCTION)
+            if current is None:
+                raise KilnError(f"{name}: nothing is in production, so there is nothing to roll back",
+                                f"promote a version first (kiln promote --system {system_name(name)} VERSION)")
+            if not stack or stack[-1] != current:
+                raise KilnError(f"{name}: production is v{current}, but the release history says "
+                                f"{'v' + str(stack[-1]) if stack else 'nothing'}; the alias was moved outside kiln",
+                                f"record it with `kiln promote --system {system_name(name)} {current}`")
+            if len(stack) < 2:
+                raise KilnError(f"{name}: v{current} is the first production version; there is no earlier one",
+                                f"promote a specific version instead (kiln promote --system {system_name(name)} "
+                                "VERSION)")
+            target = stack[-2]
+            v, summary = _prove(reg, name, target, Path(tmp))
+            compat = _compat_gate(cfg, reg, name, target, v, current, root, Path(tmp), re_enroll, "roll back")
+            return _move_all(reg, name, target, v, "rollback", actor, reason, summary, compat, re_enroll)
+
+
+def versions(cfg, system: str, root: Path = Path(".")) -> list[dict[str, Any]]:
+    """Every version of the system with its pins and verdict, from its tags (for display: promote proves them)."""
+    name = registered(system)
+    reg = Registry(cfg, root)
+    with errors(reg.uri):
+        found = reg.client.search_model_versions(f"name = '{name}'")
+        return [{"version": int(v.version), "verdict": (v.tags or {}).get("validation", "-"),
+                 "embedder": (v.tags or {}).get("embedder", "-"), "parts": (v.tags or {}).get("parts", "-"),
+                 "gallery_compat": (v.tags or {}).get("gallery_compat", "-")}
+                for v in sorted(found, key=lambda v: int(v.version))]
+
+
+__all__ = ["Part", "SystemMove", "SystemReceipt", "VerifiedSystem", "download_system", "gallery_check", "is_system",
+           "promote", "register_system", "registered", "rollback", "system_name", "versions"]
