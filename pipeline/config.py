@@ -418,7 +418,7 @@ MTCNN = "mtcnn"     # the detector of a system that is the pnet → rnet → one
 
 @frozen
 class SystemGate:
-    """system@'s gate: the system's engines against the reference system on the photos (pipeline/systems.py).
+    """system@'s gate: the system's engines against the reference system on the photos (pipeline/gates/system.py).
     The defaults are params.yaml's dlib-mtcnn values (justified there)."""
     box_iou_min: Fraction = 0.9             # every reference face found again with at least this box IoU
     faces_missed_max: Annotated[StrictInt, Field(ge=0)] = 0   # reference faces with no system face (IoU ≥ 0.5)

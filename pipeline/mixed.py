@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline import paths, stage
+from pipeline import paths
+from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import manifest_path, read_verified
 
@@ -100,7 +101,7 @@ def search(cfg, model: str, recipe_name: str, root: Path = Path("."), max_float:
         doc = load_ranges(cal_dir / "ranges.json")
         if doc.get("graph_xxh3_128") != digest:
             raise KilnError(f"{cal_dir / 'ranges.json'}: ranges belong to another graph",
-                            f"recalibrate: dvc repro -f {stage.address(f'calibrate@{model}')}")
+                            f"recalibrate: dvc repro -f {address(f'calibrate@{model}')}")
         ops = set(quantizable_op_types())
         candidates = [n.name for n in onnx.load(str(pre)).graph.node if n.op_type in ops and n.name]
         cache: dict[tuple[str, ...], Trial] = {}

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import dag, engines, paths, samples, scratch, stage, targets
+from pipeline import dag, engines, paths, samples, scratch, targets
+from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import file_digests
 from pipeline.targets.base import CLASSES
@@ -69,7 +70,7 @@ def classify(cfg, stage_name: str, root: Path = Path(".")) -> dict:
     outs = [o.path for o in spec.outs(cfg, key)]
     for rel in outs:
         if not (root / rel).exists():
-            raise KilnError(f"{root / rel}: not built", f"build it first: dvc repro {stage.address(stage_name)}")
+            raise KilnError(f"{root / rel}: not built", f"build it first: dvc repro {address(stage_name)}")
     claim = targets.get(cfg.engine(key).target).reproducibility if group == "compile" else None
     with scratch.rebuild(spec, cfg, key, root) as other:
         other = Path(other)

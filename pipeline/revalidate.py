@@ -25,7 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import paths, stage, targets
+from pipeline import paths, targets
+from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import identity_digest, manifest_path, read_manifest, read_verified
 
@@ -56,7 +57,7 @@ def _golden_check(stored_vmanifest: dict, cfg, model: str, root: Path, where: st
     if stored and stored[0].get("xxh3_128") != identity_digest(local):
         raise KilnError(f"{where}: this checkout's golden reference for {model} differs from the one the version was "
                         "validated against at build", "check out the commit that built it and rebuild the goldens "
-                        f"(dvc repro {stage.address(f'golden@{model}')})")
+                        f"(dvc repro {address(f'golden@{model}')})")
 
 
 def run(cfg, name: str, version: int, root: Path = Path(".")) -> Revalidation:

@@ -26,18 +26,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-# Names a stage module uses from here beside the declaration and the run edge; their homes are the modules below.
-from pipeline.checkout import PACKAGE, REPO, cli_env
 from pipeline.closure import closure, code_digests, distributions
-from pipeline.dvcfiles import address, bare, dvc_files, dvcfile
+from pipeline.dvcfiles import dvcfile
 from pipeline.errors import GateFailed, KilnError, Terminated, handle_sigterm
-from pipeline.records import dirty_files, read_record, write_record
-from pipeline.toolchain import PYTHON_TOOLCHAIN, read_fingerprint, versions
+from pipeline.records import write_record
+from pipeline.toolchain import read_fingerprint, versions
 
-__all__ = ["Out", "Stage", "Run", "report_errors", "parser", "running", "main",
-           # re-exported from their homes for the callers that still name them here
-           "PACKAGE", "REPO", "cli_env", "closure", "distributions", "address", "bare", "dvc_files", "dirty_files",
-           "read_record", "PYTHON_TOOLCHAIN", "read_fingerprint"]
+__all__ = ["Out", "Stage", "Run", "report_errors", "parser", "running", "main"]
 
 
 # ---------------------------------------------------------------------------------------------- declaration

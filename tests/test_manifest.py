@@ -9,7 +9,8 @@ import json
 import pytest
 import xxhash
 
-from pipeline import cli, stage
+from pipeline import cli
+from pipeline.records import dirty_files
 from pipeline.errors import KilnError
 from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, file_digests, identity_digest, input_ref,
                                read_manifest, read_verified, verify_manifest, write_manifest)
@@ -78,7 +79,7 @@ def test_read_verified_refuses_a_modified_input(tmp_path):
     ("", False),
 ])
 def test_dirty_flag_ignores_only_the_lock_and_artifacts(porcelain, dirty):
-    assert stage.dirty_files(porcelain)["dirty"] is dirty
+    assert dirty_files(porcelain)["dirty"] is dirty
 
 
 def test_manifest_bytes_are_deterministic(tmp_path):

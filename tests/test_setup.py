@@ -62,9 +62,9 @@ def test_the_committed_locks_hold_only_stages_of_the_dag():
     dvc = Path(sys.executable).with_name("dvc")
     names = subprocess.run([str(dvc), "stage", "list", "--all", "--name-only"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout.split()
-    from pipeline import stage
+    from pipeline.dvcfiles import dvc_files
 
-    locks = [f.with_name("dvc.lock") for f in stage.dvc_files(REPO)]
+    locks = [f.with_name("dvc.lock") for f in dvc_files(REPO)]
     assert all(lock.is_file() for lock in locks), [str(lock) for lock in locks if not lock.is_file()]
     for lock in locks:
         prefix = "" if lock.parent == REPO else f"{lock.parent.relative_to(REPO).as_posix()}/dvc.yaml:"
@@ -78,12 +78,12 @@ def test_what_a_stage_reads_another_host_can_pull():
     exception is by design: the toolchain probe's fingerprint files, which every host writes for itself."""
     from dvc.repo import Repo
 
-    from pipeline import stage
+    from pipeline.dvcfiles import bare
 
     with Repo(str(REPO)) as repo:
         stages = list(repo.index.stages)
     outs = {o.def_path: (st.addressing, o.use_cache) for st in stages for o in st.outs}
-    probe = {p for p, (writer, _) in outs.items() if stage.bare(writer) == "toolchain"}
+    probe = {p for p, (writer, _) in outs.items() if bare(writer) == "toolchain"}
     assert probe, "the toolchain probe's outputs are not where this test looks"
     bad = []
     for st in stages:

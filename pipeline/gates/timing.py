@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline import coldstart, models, paths, stage, tables, targets, toolchain
+from pipeline import coldstart, models, paths, tables, targets, toolchain
+from pipeline.checkout import cli_env
 from pipeline import engines as engine_loader
 from pipeline.gates import benchgate
 from pipeline.roles.registry import synthetic_feed
@@ -40,7 +41,7 @@ def cold_start(target: str, engine_dir: Path, input_shape: tuple[int, ...], max_
     model's role (params `samples`), whose synthetic feed it runs."""
     args = [sys.executable, "-m", coldstart.__name__, target, str(engine_dir), json.dumps(list(input_shape)),
             str(max_batch), kind]
-    out = subprocess.run(args + [repr(time.time())], capture_output=True, text=True, env=stage.cli_env())
+    out = subprocess.run(args + [repr(time.time())], capture_output=True, text=True, env=cli_env())
     if out.returncode != 0:
         from pipeline.errors import KilnError
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from pipeline import stage
+from pipeline.dvcfiles import address
 from pipeline.config import Recipe
 from pipeline.errors import KilnError
 from pipeline.quant.calibration import calibration_tensors, quantizable_op_types
@@ -45,10 +45,10 @@ def load_ranges(path: Path) -> dict:
             raise TypeError("min/max must be finite numbers")
     except FileNotFoundError:
         raise KilnError(f"{path}: calibration ranges not found",
-                        f"run calibrate first (dvc repro {stage.address('calibrate')})") from None
+                        f"run calibrate first (dvc repro {address('calibrate')})") from None
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise KilnError(f"{path}: not a valid ranges file ({e.__class__.__name__}: {e})",
-                        f"rebuild it: dvc repro -f {stage.address('calibrate')}") from None
+                        f"rebuild it: dvc repro -f {address('calibrate')}") from None
     return doc
 
 
@@ -77,7 +77,7 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
     if missing:
         raise KilnError(f"calibration ranges: no range for {len(missing)} of the graph's {len(needed)} activation "
                         f"tensors (e.g. {missing[0]!r})",
-                        f"the ranges belong to another graph; rebuild: dvc repro -f {stage.address('calibrate')}")
+                        f"the ranges belong to another graph; rebuild: dvc repro -f {address('calibrate')}")
     opts = recipe_options(recipe)
     # QDQQuantizer is what quantize_static drives after calibrating; ORT has no public entry point that takes
     # precomputed ranges. Keyword arguments, ORT pinned in the lock, and tests/test_calibrate_quantize.py fails
@@ -92,7 +92,7 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
     except ValueError as e:
         raise KilnError(f"QDQ quantization failed: {str(e).splitlines()[0]}",
                         "the ranges do not cover the graph; rebuild: "
-                        f"dvc repro -f {stage.address('calibrate')}") from None
+                        f"dvc repro -f {address('calibrate')}") from None
     # quantize_model() appends Q/DQ nodes at the end of the graph; ORT's save_model_to_file sorts it topologically
     # (what quantize_static does). onnx.save_model on `quantized` would write a graph the ONNX checker rejects.
     quantizer.model.save_model_to_file(str(dest))

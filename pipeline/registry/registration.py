@@ -119,7 +119,8 @@ def engine_registrable(cfg, engine_name: str, root: Path = Path("."), host_class
     """An engine as registration sees it, with its bench row when its model was benched. `host_class`: the class the
     bench belongs to; default the one the bench report names (the host that benched it), else the class of the ISA
     list it recorded (a report from before host classes)."""
-    from pipeline import stage, toolchain
+    from pipeline import toolchain
+    from pipeline.records import read_record
 
     spec = cfg.engine(engine_name)
     bench, doc = {}, {}
@@ -138,12 +139,12 @@ def engine_registrable(cfg, engine_name: str, root: Path = Path("."), host_class
     if spec.recipe:
         tags["recipe"] = spec.recipe
     return Registrable("engine", engine_name, paths.engine(engine_name, root), paths.validation(engine_name, root),
-                       tags, bench, stage.read_record(f"compile@{engine_name}", root),
+                       tags, bench, read_record(f"compile@{engine_name}", root),
                        host_class if bench else None)
 
 
 def index_registrable(cfg, size: int, root: Path = Path(".")) -> Registrable:
-    from pipeline import stage
+    from pipeline.records import read_record
 
     cfg.matching.check_size(size)
     name = paths.gallery_name(size)
@@ -154,7 +155,7 @@ def index_registrable(cfg, size: int, root: Path = Path(".")) -> Registrable:
                    if k.startswith(("p50", "p99", "build", "bytes", "recall"))}
     return Registrable("index", name, paths.index(size, root), paths.matching(size, root),
                        {"gallery": name, "size": str(size), "model": "embedder", "target": "faiss-cpu"}, metrics,
-                       stage.read_record(f"match@{size}", root))
+                       read_record(f"match@{size}", root))
 
 
 def _check(art: Registrable, root: Path) -> tuple[dict, dict, dict]:

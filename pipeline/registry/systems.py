@@ -188,12 +188,12 @@ def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described:
     from mlflow.entities import LoggedModelOutput, Metric, Param
     from mlflow.exceptions import MlflowException
 
-    from pipeline import stage
+    from pipeline.records import read_record
 
     client, name, artifact = reg.client, registered(system), PREFIX + system
     eid = reg.experiment_id(cfg.register.experiment)
     ident, parts_doc = identity_digest(manifest), _parts_doc(parts)
-    record = stage.read_record(f"system@{system}", root) or {}
+    record = read_record(f"system@{system}", root) or {}
     embedder = next(p for p in parts if p.model == described["embedder"])
     tags = {"kind": "system", "system": system, "sha256": digest, "xxh3_128": ident,
             "validation": str(verdict.get("verdict")), "embedder": embedder.engine,

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import paths, samples, stage
+from pipeline.dvcfiles import address
 from pipeline.data import build_set, list_photos, save_set
 from pipeline.errors import KilnError
 from pipeline.manifest import atomic_dir, build_manifest, file_input, write_manifest
@@ -52,7 +53,7 @@ def mtcnn_landmarker(weights: list[Path], min_face_size: int):
     missing = [str(w) for w in weights if not w.is_file()]
     if missing:
         raise KilnError(f"MTCNN weights missing: {', '.join(missing)}",
-                        f"run `dvc repro {stage.address('assets')}` (or `kiln assets`)")
+                        f"run `dvc repro {address('assets')}` (or `kiln assets`)")
     nets = mtcnn.load_nets(*weights)
     det_cfg = mtcnn.DetectorConfig(min_face_size=min_face_size)
 

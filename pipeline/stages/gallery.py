@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import paths, stage
+from pipeline.dvcfiles import address
 from pipeline.data import load_set
 from pipeline.errors import KilnError
 from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, input_ref, manifest_path, read_verified,
@@ -49,12 +50,12 @@ def run(cfg, size: int, root: Path = Path(".")) -> GalleryResult:
     root = Path(root)
     gdir, sdir = paths.golden(MODEL, root), paths.data_set("golden", root)
     read_verified(manifest_path(gdir, MODEL),
-                  hint=f"rebuild the golden embeddings (dvc repro -f {stage.address(f'golden@{MODEL}')})")
+                  hint=f"rebuild the golden embeddings (dvc repro -f {address(f'golden@{MODEL}')})")
     emb = np.load(gdir / "embeddings.npy", allow_pickle=False)
     labels = load_set(sdir).labels.astype(np.int64)
     if len(emb) != len(labels):
         raise KilnError(f"{gdir}: {len(emb)} embeddings but the golden set has {len(labels)} labels",
-                        f"rebuild them together (dvc repro {stage.address(f'golden@{MODEL}')})")
+                        f"rebuild them together (dvc repro {address(f'golden@{MODEL}')})")
     dist = g.fit_distribution(emb, labels)
     vectors, glabels, digest = g.build_gallery(emb, labels, size, dist, m.seed)
     threshold = cfg.model(MODEL).verify_threshold

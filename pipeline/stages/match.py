@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import paths, stage
+from pipeline.dvcfiles import address
 from pipeline.errors import GateFailed
 from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, identity_digest, input_ref, manifest_path,
                                read_verified, write_json_atomic, write_manifest)
@@ -76,7 +77,7 @@ def run(cfg, size: int, root: Path = Path("."), progress: Callable[[str], None] 
     root = Path(root)
     name = paths.gallery_name(size)
     threshold = cfg.model(MODEL).verify_threshold
-    gdir, hint = paths.gallery(size, root), f"rebuild it (dvc repro -f {stage.address(f'gallery@{size}')})"
+    gdir, hint = paths.gallery(size, root), f"rebuild it (dvc repro -f {address(f'gallery@{size}')})"
     gman = manifest_path(gdir, name)
     read_verified(gman, hint=hint)
     vectors, labels, dist = g.load(gdir, size, hint)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline import models, paths, samples, stage
+from pipeline.checkout import cli_env
 from pipeline.config import ModelConfig
 from pipeline.errors import GateFailed, KilnError
 from pipeline.gates.agreement import compare, model_deps, print_parity
@@ -61,7 +62,7 @@ def bytes_in_fresh_process(params: Path, model_name: str, root: Path) -> bytes:
         out = Path(tmp) / PROGRAM_FILE
         r = subprocess.run([sys.executable, "-m", STAGE.module, "--params", str(Path(params).resolve()),
                             "--bytes-only", str(out), model_name], cwd=root, capture_output=True, text=True,
-                           env=stage.cli_env())
+                           env=cli_env())
         if r.returncode != 0:
             raise KilnError(f"program@{model_name}: re-export in a fresh process failed: "
                             f"{(r.stderr.strip().splitlines() or ['?'])[-1]}", "run `kiln program` to see the error")

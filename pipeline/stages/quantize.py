@@ -27,6 +27,7 @@ from pathlib import Path
 import onnx
 
 from pipeline import paths, samples, stage
+from pipeline.dvcfiles import address
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
 from pipeline.quant.calibration import PREPROCESS, preprocess, quantizable_op_types
@@ -77,7 +78,7 @@ def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> Quant
         if doc.get("graph_xxh3_128") != digest:
             raise KilnError(f"{cal_dir / 'ranges.json'}: ranges were computed on pre-processed graph "
                             f"{doc.get('graph_xxh3_128')}, this export pre-processes to {digest}",
-                            f"recalibrate: dvc repro -f {stage.address(f'calibrate@{model_name}')}")
+                            f"recalibrate: dvc repro -f {address(f'calibrate@{model_name}')}")
         onnx_path = d / "model.onnx"
         coverage = quantize_graph(pre, doc["tensors"], recipe, onnx_path)
         inv = inventory(onnx.load(str(onnx_path)))

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline import paths, samples, stage, targets, toolchain
+from pipeline.dvcfiles import address
 from pipeline.e2e import System, graphs, resolve
 from pipeline.errors import KilnError
 from pipeline.manifest import input_ref, manifest_path, read_verified, write_json_atomic
@@ -52,7 +53,7 @@ def _gated(name: str, root: Path) -> tuple[dict[str, str], dict]:
     man = manifest_path(paths.system(name, root), name)
     if not man.is_file():
         raise KilnError(f"sysbench@{name}: {paths.system(name, root)} has no gated system",
-                        f"gate it first: dvc repro {stage.address(f'system@{name}')}")
+                        f"gate it first: dvc repro {address(f'system@{name}')}")
     doc = read_verified(man, fast=True)
     if doc["results"]["verdict"] != "pass":
         raise KilnError(f"sysbench@{name}: system@{name} did not pass its gate ({doc['results']['verdict']})",

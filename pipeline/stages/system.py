@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline import models, paths, samples, stage, targets
+from pipeline.dvcfiles import address
 from pipeline.e2e import System, graphs, resolve
 from pipeline.errors import GateFailed, KilnError
 from pipeline.gates import system as gate
@@ -60,7 +61,7 @@ def _refs(cfg, picks: dict[str, str], root: Path) -> dict[str, dict]:
         v_man = manifest_path(paths.validation(e, root), e)
         if not v_man.is_file():
             raise KilnError(f"system: engine {e} has no validation", f"run it first: dvc repro "
-                            f"{stage.address(f'validate@{e}')}")
+                            f"{address(f'validate@{e}')}")
         verdict = read_verified(v_man, fast=True)["results"]["verdict"]
         if verdict != "pass":
             raise KilnError(f"system: engine {e} did not pass its own gate (validate@{e}: {verdict})",

@@ -20,6 +20,9 @@ from pathlib import Path
 import yaml
 
 from pipeline import paths, stage, targets, toolchain
+from pipeline.checkout import PACKAGE, REPO
+from pipeline.closure import closure, distributions
+from pipeline.toolchain import PYTHON_TOOLCHAIN
 from pipeline.manifest import write_bytes_atomic
 from pipeline.targets.base import Toolchain
 
@@ -29,7 +32,7 @@ STAGE = stage.Stage(
     "changes only when a fingerprint does)",
     # persist: DVC must not delete them before the stage runs, or every run would rewrite them
     outs=lambda cfg, key: [stage.Out(paths.toolchain_file(t).as_posix(), cache=False, persist=True)
-                           for t in cfg.targets] + [stage.Out(stage.PYTHON_TOOLCHAIN, cache=False, persist=True)],
+                           for t in cfg.targets] + [stage.Out(PYTHON_TOOLCHAIN, cache=False, persist=True)],
     always_changed=True,
     help="write every target's toolchain fingerprint and the Python package versions")
 
@@ -38,11 +41,11 @@ def all_packages() -> list[str]:
     """Every third-party distribution imported anywhere under pipeline/ (what python.yaml lists). Walking the code
     and the installed distributions takes most of this stage's time, so the answer is cached under what it depends
     on: each module's path, size and mtime, and the interpreter's package directories (an install changes them)."""
-    files = sorted((stage.REPO / stage.PACKAGE).rglob("*.py"))
+    files = sorted((REPO / PACKAGE).rglob("*.py"))
 
     def compute() -> list[str]:
-        modules = [".".join(p.relative_to(stage.REPO).with_suffix("").parts).removesuffix(".__init__") for p in files]
-        return stage.distributions(stage.closure(modules)[1])
+        modules = [".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in files]
+        return distributions(closure(modules)[1])
 
     stat = lambda p: [str(p), p.stat().st_size, p.stat().st_mtime_ns]      # noqa: E731
     key = ["packages/1", sys.version, sys.prefix, [stat(p) for p in files],
@@ -69,7 +72,7 @@ def write(target_name: str, tc: Toolchain, root: Path = Path(".")) -> tuple[Path
 
 
 def write_python(root: Path = Path(".")) -> tuple[Path, bool]:
-    path = root / stage.PYTHON_TOOLCHAIN
+    path = root / PYTHON_TOOLCHAIN
     doc = {"python": toolchain.python_version(),
            "packages": {p: toolchain.version(p) for p in all_packages()}}
     return path, _write_if_changed(path, doc)

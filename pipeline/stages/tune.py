@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pipeline import paths, stage, targets
+from pipeline.toolchain import read_fingerprint
 from pipeline.errors import KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
 
@@ -38,7 +39,7 @@ def run(cfg, engine_name: str, root: Path = Path(".")) -> tuple[Path, dict]:
     if not targets.tuned(cfg, engine_name):
         raise KilnError(f"engine {engine_name}: nothing to tune ({spec.target} does not tune, or its "
                         "tuning.trials is 0)", f"set targets.{spec.target}.tuning.trials > 0")
-    fp = stage.read_fingerprint(spec.target, root)
+    fp = read_fingerprint(spec.target, root)
     if not fp["available"]:
         raise KilnError(f"engine {engine_name}: {spec.target}: unavailable ({fp['reason']}); not tuned",
                         "tune it on a host that has this toolchain, or set tuning.trials: 0")

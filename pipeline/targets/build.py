@@ -9,7 +9,8 @@ import importlib
 import tempfile
 from pathlib import Path
 
-from pipeline import paths, stage, targets
+from pipeline import paths, targets
+from pipeline.toolchain import read_fingerprint
 from pipeline.config import EngineSpec
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import manifest_path, read_verified
@@ -52,7 +53,7 @@ def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpS
     if not tcfg.enabled:
         raise KilnError(f"engine {engine_name}: target {spec.target} is disabled in params.yaml",
                         f"set targets.{spec.target}.enabled: true, or drop the engine from `engines:`")
-    fp = stage.read_fingerprint(spec.target, root)
+    fp = read_fingerprint(spec.target, root)
     if not fp["available"]:
         raise KilnError(f"engine {engine_name}: {spec.target}: unavailable ({fp['reason']}); not built",
                         "build it on a host that has this toolchain, or drop the engine from `engines:`")
