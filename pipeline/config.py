@@ -13,9 +13,7 @@ file's values as DVC reads them: manifests record the exact slice each stage tra
 from __future__ import annotations
 
 import math
-import os
 import reprlib
-import stat
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -28,6 +26,7 @@ from pydantic.dataclasses import dataclass
 from pipeline.errors import KilnError
 from pipeline.paths import SLUG
 from pipeline.roles import registry as roles
+from pipeline.userfiles import open_regular
 
 DEFAULT_PARAMS = Path("params.yaml")
 _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -827,15 +826,12 @@ def read_yaml(path: Path, not_found_hint: str) -> Any:
     """A user's YAML file (params.yaml, a profile), read within bounds: a regular file of at most MAX_BYTES, UTF-8,
     its values bounded as `_check_graph` says. Every failure is a KilnError naming the file (and the line)."""
     path = Path(path)
-    try:
-        if not stat.S_ISREG(os.stat(path).st_mode):       # a FIFO would block, /dev/zero never end
-            raise KilnError(f"{path}: not a regular file", "pass the path of a YAML file")
-        with open(path, "rb") as f:
+    with open_regular(path, "pass the path of a YAML file", (f"{path}: not found", not_found_hint)) as f:
+        try:
             data = f.read(MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise KilnError(f"{path}: not found", not_found_hint) from None
-    except OSError as e:
-        raise KilnError(f"{path}: cannot read it ({e.strerror})", "pass the path of a readable YAML file") from None
+        except OSError as e:
+            raise KilnError(f"{path}: cannot read it ({e.strerror})", "pass the path of a readable YAML file") \
+                from None
     if len(data) > MAX_BYTES:
         raise KilnError(f"{path}: larger than {MAX_BYTES >> 20} MiB", "check that this is the right file")
     try:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,6 +25,7 @@ from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
 from pipeline.dvcfiles import address
 from pipeline.models.align import Aligner, align, chip_transform, jitter
+from pipeline.userfiles import open_regular
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 Landmarker = Callable[[np.ndarray, Path], np.ndarray]   # (rgb HWC uint8, path for messages) → (5, 2) landmarks
@@ -95,12 +94,7 @@ def load_rgb(path: Path, max_side: int = MAX_SIDE) -> np.ndarray:
     (a FIFO would hang the read) or oversized file is a KilnError naming the file."""
     Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # PIL raises DecompressionBombError past 2x this: refuse earlier, below
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)      # returns at once for a FIFO; checked on the open file
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise KilnError(f"{path}: not a regular file (a folder, FIFO or device)",
-                            "pass an image file; supported: JPEG, PNG, BMP, WebP")
-        with os.fdopen(fd, "rb") as f:
+        with open_regular(path, "pass an image file; supported: JPEG, PNG, BMP, WebP") as f:
             return _decode(f, path, max_side)
     except KilnError:
         raise

@@ -28,9 +28,7 @@ the original file: the original's arithmetic, with nothing folded (an NHWC model
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import stat
 from collections import Counter
 from pathlib import Path
 
@@ -40,6 +38,7 @@ from onnx import external_data_helper, numpy_helper
 
 from pipeline.errors import KilnError
 from pipeline.roles import registry as roles
+from pipeline.userfiles import open_regular
 
 # ops evaluated once at import when every input is a constant (weights): shape/format ops and weight dequantization
 FOLDABLE = ("DequantizeLinear", "Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Identity", "Flatten",
@@ -56,17 +55,9 @@ def hint_for(model: str) -> str:
 def _read_regular(path: Path, model: str, whole: bool, what: str = "ONNX file") -> tuple[bytes | None, str]:
     """(the bytes if `whole`, sha256) of a regular file. Opened without blocking and checked on the open file: a FIFO
     or device named like a model would otherwise hang the read (or never end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise KilnError(f"{path}: {what} of model {model!r} not found",
-                        "run `kiln assets` if it is a pinned asset, or " + hint_for(model)) from None
-    except OSError as e:
-        raise KilnError(f"{path}: cannot open ({e.strerror})", hint_for(model)) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise KilnError(f"{path}: not a regular file (a folder, FIFO or device)", hint_for(model))
-    with os.fdopen(fd, "rb") as f:
+    f = open_regular(path, hint_for(model), (f"{path}: {what} of model {model!r} not found",
+                                             "run `kiln assets` if it is a pinned asset, or " + hint_for(model)))
+    with f:
         h, chunks = hashlib.sha256(), []
         while chunk := f.read(1 << 24):
             h.update(chunk)
