@@ -91,16 +91,18 @@ def _torch_area(img: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
 @pytest.mark.parametrize("shape, out", [((57, 83, 3), (13, 29)), ((900, 716, 3), (271, 216)), ((40, 31, 3), (40, 31)),
                                         ((20, 17, 3), (47, 33)), ((1000, 31, 3), (12, 12))])
 def test_area_resampling_is_torch_area_interpolation_bit_for_bit(shape, out):
-    """The integral image (OpenCV), a pyramid level (rows, then columns) and a crop (four corners per cell) give
-    exactly torch's area interpolation — what facenet-pytorch runs — up- and downsampling alike."""
+    """The integral images (OpenCV, one per colour plane), a pyramid level (rows, then columns) and a crop (four
+    corners per cell) give exactly torch's area interpolation — what facenet-pytorch runs — up- and downsampling
+    alike, normalised as ``preprocess`` normalises."""
     img = np.random.default_rng(shape[0]).integers(0, 256, shape).astype(np.uint8)
     s = M._integral(img)
     exact = np.zeros((shape[0] + 1, shape[1] + 1, 3), np.int64)
     exact[1:, 1:] = img.astype(np.int64).cumsum(0).cumsum(1)
-    assert np.array_equal(s, exact)
-    ref = _torch_area(img, *out)
-    assert np.array_equal(M._resize_image(s, *out)[0], ref)
-    assert np.array_equal(M._area_resize(s, [0], [shape[0]], [0], [shape[1]], *out)[0], ref)
+    assert np.array_equal(s, exact.transpose(2, 0, 1))
+    (level,) = M._area_levels(s, [out])
+    assert np.array_equal(level, M.preprocess(_torch_area(img, *out)))
+    crop = M._area_crops(s, *(np.array([v]) for v in (0, shape[0], 0, shape[1])), out[0])
+    assert np.array_equal(crop, M.preprocess(_torch_area(img, out[0], out[0])))
 
 
 def test_crops_that_leave_the_photo_are_zero_padded():
@@ -109,9 +111,10 @@ def test_crops_that_leave_the_photo_are_zero_padded():
     padded[20:80, 20:70] = img
     s = M._integral(img)
     boxes = [(-10, 30, -15, 20), (40, 75, 30, 61), (-20, 80, -20, 70), (5, 17, 9, 40)]    # y0, y1, x0, x1
-    crops = M._area_resize(s, *(np.array(v) for v in zip(*boxes)), 24, 24)
+    crops = M._area_crops(s, *(np.array(v) for v in zip(*boxes)), 24)
     for (y0, y1, x0, x1), crop in zip(boxes, crops):
-        assert np.array_equal(crop, _torch_area(padded[y0 + 20:y1 + 20, x0 + 20:x1 + 20], 24, 24)), (y0, x0)
+        want = M.preprocess(_torch_area(padded[y0 + 20:y1 + 20, x0 + 20:x1 + 20], 24, 24))[0]
+        assert np.array_equal(crop, want), (y0, x0)
 
 
 def test_pyramid_and_empty_image(nets):
