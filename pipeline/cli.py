@@ -40,32 +40,67 @@ def cmd_targets(args) -> int:
 def cmd_identify(args) -> int:
     import tempfile
 
-    from pipeline.data import MAX_SIDE, load_rgb
-    from pipeline.e2e import System
+    from pipeline.data import load_rgb
+    from pipeline.e2e import DEFAULT_SYSTEM, System, resolve
 
-    cfg = _cfg(args)
     rgbs = [(p, load_rgb(Path(p))) for p in args.images]  # a corrupt, oversized or non-image file stops here
+    if isinstance(args.release, str):
+        return _identify_release(args, rgbs)
+    cfg = _cfg(args)
+    name = args.system or DEFAULT_SYSTEM
     tmp = None
     release_dir = None
     if args.release:
         tmp = tempfile.TemporaryDirectory(prefix="kiln-release-")
         release_dir = Path(tmp.name)
-    cfg.system(args.system)             # an unknown system: one clear error, before anything loads
-    if args.target == "pytorch":
-        if args.system != "dlib-mtcnn":
-            raise KilnError(f"--target pytorch: the eager reference is the default system only, not {args.system}",
-                            "pick an engine target (e.g. --target ort-cpu)")
-        system = System.eager(cfg)
+    cfg.system(name)                    # an unknown system: one clear error, before anything loads
+    if args.target == "pytorch":             # the reference system: PyTorch modules, or an ONNX model's own file
+        system = System.eager(cfg, system=name)
     elif args.target == "fastest":
-        system = System.fastest(cfg, release_dir=release_dir, system=args.system)
+        system = System.fastest(cfg, release_dir=release_dir, system=name)
+    elif args.target is None and args.precision is None:     # the system as system@ gates it (its pins first)
+        system = System.from_picks(cfg, name, resolve(cfg, name), release_dir=release_dir, system=name)
     else:
-        system = System.from_engines(cfg, args.target, args.precision, release_dir=release_dir, system=args.system)
+        system = System.from_engines(cfg, args.target or "ort-cpu", args.precision or "int8",
+                                     release_dir=release_dir, system=name)
     system.enroll()
     if args.gallery:
         system.use_index(args.gallery)
+    return _print_identities(system, rgbs)
+
+
+def _identify_release(args, rgbs) -> int:
+    """`kiln identify --release ARCHIVE`: verify a system release offline, extract it privately, run it from its own
+    files (engines, config slice, gallery): no checkout, no params.yaml, no DVC, no registry."""
+    from pipeline import release, system_release
+
+    given = [f for f, v in (("--target", args.target), ("--precision", args.precision), ("--gallery", args.gallery))
+             if v is not None]
+    if given:
+        raise KilnError(f"{given[0]} does not apply to a system release: its engines and gallery are in the archive",
+                        "drop it, or run from the checkout without --release ARCHIVE")
+    if not args.key:
+        raise KilnError("--release ARCHIVE needs the publisher's public key to verify it", "pass --key KEY.pub")
+    with system_release.verified(Path(args.release), Path(args.key)) as (tree, checked):
+        if not system_release.is_system_release(tree):
+            raise KilnError(f"{args.release}: an engine release, not a face system's",
+                            "pass an archive made by `kiln release --system NAME`")
+        d = system_release.deployed(tree, checked)
+        if args.system and d.system.system != args.system:
+            raise KilnError(f"{args.release}: a release of system {d.system.system}, not {args.system}",
+                            f"drop --system, or pass --system {d.system.system}")
+        print(f"release: {args.release} verified offline ({d.name} v{d.version}: {len(checked)} checks, signature "
+              f"by {Path(args.key).name})")
+        return _print_identities(d.system, rgbs)
+
+
+def _print_identities(system, rgbs) -> int:
+    """Each photo's faces: box, score, identity (or `unknown`), nearest and distance; exit 1 if one has none."""
+    from pipeline.data import MAX_SIDE
+
     print("engines: " + ", ".join(f"{m}={e}" for m, e in system.engines.items()))
     missing = 0
-    embedder = cfg.model(cfg.system(args.system).embedder)
+    embedder = system.cfg.model(system.cfg.system(system.system).embedder)
     rule = f"cosine ≥ {embedder.verify_threshold}" if embedder.metric == "cosine" else f"L2 < {embedder.verify_threshold}"
     for path, rgb in rgbs:
         matches = system.identify(rgb)
@@ -174,8 +209,17 @@ def cmd_release(args) -> int:
         print(f"{r.name} v{r.version} → {r.archive}  sha256 {r.sha256}"
               + ("" if r.new else "  (identical to the recorded release)"), flush=True)
 
-    if args.all_production:     # each archive is printed as it is written: a later failure does not hide it
-        release.release_all_production(_cfg(args), Path("."), key, out, on_release=show)
+    if args.name and _system(args):     # a face system: every engine, its config slice and its gallery
+        from pipeline import system_release
+
+        show(system_release.build(_cfg(args), args.name, args.version or "production", Path("."), key, out))
+    elif args.system:
+        raise KilnError("--system needs the system's name", "e.g. kiln release --system dlib-mtcnn [VERSION]")
+    elif args.all_production:     # each archive is printed as it is written: a later failure does not hide it
+        from pipeline import system_release
+
+        release.release_all_production(_cfg(args), Path("."), key, out, on_release=show,
+                                       build_system=system_release.build)
     elif args.name and args.version:
         show(release.build(_cfg(args), args.name, args.version, Path("."), key, out))
     else:
@@ -185,9 +229,9 @@ def cmd_release(args) -> int:
 
 
 def cmd_verify_release(args) -> int:
-    from pipeline import release
+    from pipeline import system_release
 
-    for line in release.verify(Path(args.archive), Path(args.key)):
+    for line in system_release.verify(Path(args.archive), Path(args.key)):     # an engine's or a system's
         print(f"ok  {line}")
     print(f"verify-release: {args.archive} verified offline")
     return 0
@@ -374,19 +418,23 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
     p = add("identify", cmd_identify, "detect, align, embed and match faces in photos using only built, verified "
             "engines (exit 1 if a photo has no face)")
     p.add_argument("images", nargs="+", help="image files (JPEG, PNG, ...)")
-    p.add_argument("--target", default="ort-cpu", help="engine target; `fastest`: per graph the leaderboard's fastest "
-                   "engine that passed its gate; `pytorch`: the eager reference")
-    p.add_argument("--precision", default="int8", choices=["fp32", "fp16", "bf16", "int8"],
-                   help="preferred precision per graph; graphs without such an engine use their FP32 engine")
-    p.add_argument("--release", action="store_true",
-                   help="use each graph's MLflow `production` version (downloaded and verified) instead of the "
-                        "local build")
+    p.add_argument("--target", help="engine target (default: the system's own engines, as system@ gates them; "
+                   "else ort-cpu); `fastest`: per graph the leaderboard's fastest engine that passed its gate; "
+                   "`pytorch`: the eager reference")
+    p.add_argument("--precision", choices=["fp32", "fp16", "bf16", "int8"],
+                   help="preferred precision per graph (default int8 with --target); graphs without such an engine "
+                        "use their FP32 engine")
+    p.add_argument("--release", nargs="?", const=True, default=None, metavar="ARCHIVE",
+                   help="alone (after the photos): use each graph's MLflow `production` version (downloaded and "
+                        "verified) instead of the local build; with ARCHIVE: run the face system of a system release "
+                        "(kiln release --system) from the verified archive alone — no checkout, no registry")
+    p.add_argument("--key", help="with --release ARCHIVE: the publisher's public key (.pub) to verify it with")
     p.add_argument("--gallery", type=int, metavar="SIZE",
                    help="match through the chosen FAISS index of this gallery size (default: brute force over the "
                         "golden enrolment chips)")
-    p.add_argument("--system", default="dlib-mtcnn",
-                   help="the face system (params.yaml `systems:`: a detector and an embedder), e.g. sface-retinaface "
-                        "after `kiln profile sface-retinaface`")
+    p.add_argument("--system",
+                   help="the face system (params.yaml `systems:`: a detector and an embedder; default dlib-mtcnn), "
+                        "e.g. sface-retinaface after `kiln profile sface-retinaface`")
     p = add("compare", cmd_compare, "layer by layer, where two ONNX graphs of one model part ways on its golden "
             "feed: cosine, max |Δ|, SNR and the error each layer adds; the first layer below --min-snr-db")
     p.add_argument("a", help="ONNX file, or an export / quantized / ort-cpu engine directory (manifest verified)")
@@ -421,8 +469,11 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
     p.add_argument("--out", help="private key path (default: $KILN_SIGNING_KEY)")
     p = add("release", cmd_release, "one signed, deterministic archive of a registered version: engine files, "
             "manifests, provenance chain, verdict, bench, lockfile digests, SLSA provenance, model-signing signature")
-    p.add_argument("name", nargs="?", help="registered model (kiln-<engine>) or engine name")
-    p.add_argument("version", nargs="?", help="version number or alias (e.g. production)")
+    p.add_argument("name", nargs="?", help="registered model (kiln-<engine>) or engine name; with --system a face "
+                   "system's name (or kiln-system-NAME)")
+    p.add_argument("version", nargs="?", help="version number or alias (e.g. production; a system's default)")
+    p.add_argument("--system", action="store_true", help="NAME is a face system: one archive with every engine of "
+                   "that system version, its config slice and its gallery (enrolled by its own embedder)")
     p.add_argument("--all-production", action="store_true", help="release every model's production version")
     p.add_argument("--key", help="private signing key (default: $KILN_SIGNING_KEY)")
     p.add_argument("--out", help="directory for the archives (default: releases/)")

@@ -24,6 +24,10 @@ written (pipeline/archive.py), so GNU tar can find nothing in it that the verifi
 model-signing verifies the signature and every file's digest (nothing unsigned is accepted), and Kiln re-checks the
 engine against its manifest, the verdict, every manifest link of the chain and the SLSA subjects, reading no
 document over a fixed size (pipeline/release_content.py). The first failure is named and the exit code is 1.
+
+A face system's release (`kiln release --system NAME`: every engine, the system manifest, the config slice and the
+gallery in one archive) is pipeline/system_release.py, built on this module; its `verify` reads either kind
+(`kiln verify-release` dispatches on release.json's schema there).
 """
 
 from __future__ import annotations
@@ -217,9 +221,14 @@ def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str) -> 
 
 
 def release_all_production(cfg, root: Path = Path("."), key: Path | None = None, out_dir: Path | None = None,
-                           on_release: Callable[[Release], None] | None = None) -> list[Release]:
+                           on_release: Callable[[Release], None] | None = None,
+                           build_system: Callable[..., Release] | None = None) -> list[Release]:
     """Release every model's production version, in name order; `on_release` hears of each as it is written. The
-    first failure stops the run and says which models were not released."""
+    first failure stops the run and says which models were not released. A face system's production version
+    (kiln-system-NAME) is released by `build_system` (pipeline/system_release.py `build`, which builds on this
+    module); without it, one is an error."""
+    from pipeline.registry.systems import is_system
+
     from pipeline.registry.client import Registry, errors, is_lock
     from pipeline.registry.releases import PRODUCTION
 
@@ -232,7 +241,10 @@ def release_all_production(cfg, root: Path = Path("."), key: Path | None = None,
     made: list[Release] = []
     for i, n in enumerate(names):
         try:
-            made.append(build(cfg, n, PRODUCTION, root, key, out_dir))
+            if is_system(n) and build_system is None:
+                raise KilnError(f"{n} is a face system", "release it with `kiln release --system` "
+                                "(pipeline/system_release.py)")
+            made.append((build_system if is_system(n) else build)(cfg, n, PRODUCTION, root, key, out_dir))
         except KilnError as e:
             left = ", ".join(names[i:])
             raise type(e)(f"{'' if n in e.message else n + ': '}{e.message} — not released: {left}; released "
@@ -246,6 +258,16 @@ def release_all_production(cfg, root: Path = Path("."), key: Path | None = None,
 # ---------------------------------------------------------------------------------------------- verifying a release
 def verify(archive: Path, public_key: Path) -> list[str]:
     """Verify a release archive offline. Returns what was checked; raises GateFailed at the first failure."""
+    with verified(archive, public_key) as (_, done):
+        return done
+
+
+@contextmanager
+def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[str]] = check_content
+             ) -> Iterator[tuple[Path, list[str]]]:
+    """Verify a release archive offline and yield (the signed tree, extracted in a private temporary folder, what was
+    checked); the folder is removed on exit. `check(tree, signed name)` checks the content once the signature holds:
+    an engine release's by default; pipeline/system_release.py passes one that reads a system's release too."""
     archive, public_key = Path(archive), Path(public_key)
     if not archive.is_file():
         raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
@@ -268,14 +290,14 @@ def verify(archive: Path, public_key: Path) -> list[str]:
         done.append(f"signature: model-signing bundle verified with {public_key.name}; every file's sha256 matches "
                     f"the signed statement (subject {signed_name[:200]!r}), none unsigned")
         try:
-            done += check_content(tree, signed_name)
+            done += check(tree, signed_name)
         except KilnError as e:        # messages quote the release's own values: bounded, whatever they hold
             raise GateFailed(signing.one_line(e.message, 500), e.hint if isinstance(e, GateFailed) else
                              "do not use this release") from None
         except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as e:   # signed, not Kiln's layout
             raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: "
                              f"{signing.one_line(str(e), 200)})", "do not use this release") from None
-    return done
+        yield tree, done
 
 
-__all__ = ["Release", "build", "release_all_production", "verify", "write_archive"]
+__all__ = ["Release", "build", "release_all_production", "verified", "verify", "write_archive"]

@@ -392,3 +392,39 @@ def test_batchnorm_folding_keeps_what_a_subgraph_reads():
         want = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
         got = ort.InferenceSession(folded.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
         assert all(np.abs(a - b).max() < 1e-5 for a, b in zip(got, want))
+
+
+def test_the_sface_retinaface_system_passes_its_gate_runs_under_load_and_as_pytorch_reference(byo_root, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """The profile's all-ONNX system end to end: system@ against its reference (the original ONNX files on ORT),
+    sysbench@ on its two graphs (no aligner: SFace's own warp), and `identify --target pytorch` on it."""
+    import json
+
+    from pipeline import cli, paths
+    from pipeline.data import list_photos
+    from pipeline.stages import system as system_stage
+    from pipeline.stages import sysbench, validate
+
+    name, root = "sface-retinaface", byo_root["root"]
+
+    def fp32_quick(raw):
+        _sface(raw)
+        raw["systems"][name].update(precision="fp32")
+        raw["sysbench"].update(streams=[1], seconds=1.0, workers=1)
+    params = write_params(tmp_path, fp32_quick)
+    cfg = config.load(params)
+    for e in ("sface-ort-cpu-fp32", "retinaface-ort-cpu-fp32"):
+        assert validate.run(cfg, e, root).passed
+    report = system_stage.run(cfg, name, root)
+    m = report["metrics"]
+    assert report["verdict"] == "pass" and m["faces_missed"] == 0 and m["identity_agreement"] == 1.0, m
+    monkeypatch.chdir(root)
+    assert sysbench.main(["--params", str(params), name]) == 0
+    b = json.loads((paths.sysbench(name, root) / "bottleneck.json").read_text())
+    assert set(b["graphs"]) == {"retinaface", "sface"} and "align" in b["stages"]     # the reference warp, timed
+    assert all(g["roofline"]["flops_per_frame"] > 0 for g in b["graphs"].values())
+    photo = list_photos(root / cfg.data.photos)[0]
+    capsys.readouterr()
+    assert cli.main(["--params", str(params), "identify", "--system", name, "--target", "pytorch",
+                     str(photo.path)]) == 0
+    assert photo.identity in capsys.readouterr().out

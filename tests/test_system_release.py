@@ -1,0 +1,276 @@
+"""System releases (issue 35 item 3): `kiln release --system`, `kiln verify-release` on a system archive, and
+`kiln identify --release ARCHIVE` — on real built engines and a real MLflow registry (SQLite).
+
+The engines and both system@ outputs come from test_system_registry.py's `sysroot` (imported: one scratch root
+with the default system's five graphs on ORT, the embedder in FP32 and INT8). Here the INT8-embedder system is
+registered, promoted and released once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import cli, config, paths, release, signing, system_release
+from pipeline.archive import safe_extract, write_archive
+from pipeline.data import list_photos, load_rgb
+from pipeline.errors import GateFailed, KilnError
+from pipeline.registry import releases, systems
+from test_system_registry import FP32, INT8, NAME, SYSTEM, client, register_parts, sysroot, use  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+REL = f"{NAME}-v1"
+slow = pytest.mark.slow        # on `sysroot`: six engines built, the system gated twice
+
+
+@pytest.fixture(scope="module")
+def released(sysroot, template_db, tmp_path_factory):
+    """The INT8-embedder system v1 registered, promoted and released, in a registry of this module's own."""
+    tmp = tmp_path_factory.mktemp("sysrel")
+    shutil.copy(template_db, tmp / "mlflow.db")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp / 'mlflow.db'}")
+        mp.setenv("KILN_ACTOR", "ci")
+        root = sysroot["root"]
+        c8 = use(sysroot, "int8")
+        register_parts(c8, root)
+        assert systems.register_system(c8, SYSTEM, root).version == 1
+        systems.promote(c8, SYSTEM, 1, root)
+        key, pub = signing.keygen(tmp / "keys" / "signing.pem")
+        r = system_release.build(c8, SYSTEM, "production", root, key, tmp / "out")
+        yield {"root": root, "cfg": c8, "release": r, "key": key, "pub": pub}
+
+
+def _tree(archive: Path, dest: Path) -> Path:
+    dest.mkdir()
+    safe_extract(archive, dest)
+    return dest / REL
+
+
+def _repack(top: Path, dest: Path) -> Path:
+    write_archive(dest, top, [REL, f"{REL}{release.SIG_SUFFIX}"])
+    return dest
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.unlink()                     # a new file: never write through into a shared inode
+    path.write_bytes(bytes(data))
+
+
+# ---------------------------------------------------------------------------------------------- build + verify
+@slow
+def test_system_release_is_byte_identical_and_verifies(released, tmp_path, capsys, monkeypatch):
+    r, root, c8, pub = released["release"], released["root"], released["cfg"], released["pub"]
+    assert (r.name, r.version, r.new, r.archive.name) == (NAME, 1, True, f"{REL}.tar.gz")
+    again = system_release.build(c8, SYSTEM, "1", root, released["key"], tmp_path / "again")
+    assert again.archive.read_bytes() == r.archive.read_bytes() and again.sha256 == r.sha256 and not again.new
+
+    done = system_release.verify(r.archive, pub)
+    assert len(done) == 6 and done[0].startswith("signature: ")
+    pins = json.loads((paths.system(SYSTEM, root) / paths.SYSTEM_FILE).read_text())["engines"]
+    engines_line = next(d for d in done if d.startswith("engines: 5,"))
+    assert all(f"{e['engine']} {e['xxh3_128'][:8]}" in engines_line for e in pins.values())
+    assert any(d.startswith(f"gallery: 6 enrolment embeddings × 128 of 4 identities, made by {INT8}") for d in done)
+
+    with system_release.verified(r.archive, pub) as (tree, _):
+        doc = json.loads((tree / "release.json").read_bytes())
+        gallery = json.loads((tree / "gallery" / f"{SYSTEM}.manifest.json").read_bytes())
+        values = json.loads((tree / "config" / "params.json").read_bytes())
+        members = sorted(p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file())
+    assert (doc["gallery"]["embedder"], doc["gallery"]["embedder_xxh3_128"]) == (INT8, pins["embedder"]["xxh3_128"])
+    assert {i["role"]: i["xxh3_128"] for i in gallery["inputs"]}["embedder"] == pins["embedder"]["xxh3_128"]
+    gated = json.loads((paths.system(SYSTEM, root) / f"{SYSTEM}.manifest.json").read_text())["params"]["values"]
+    assert values == gated and values["systems.dlib-mtcnn"]["engines"] == {"embedder": INT8}
+    assert {f"engines/{e['engine']}/model.onnx" for e in pins.values()} <= set(members)
+    assert {"system/system.json", "system/verdict.json", "system/kiln/parts.json", "gallery/embeddings.npy",
+            "gallery/labels.json", "config/params.json", "slsa-provenance.json"} <= set(members)
+
+    assert int(client().get_registered_model(NAME).aliases["release"]) == 1      # recorded like an engine release
+    assert releases.history(c8, NAME, root, alias="release")[-1].reason.startswith(f"released {REL}.tar.gz")
+
+    shutil.copy(c8.source, root / "params.yaml")              # the CLI: the same bytes, verified
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    assert cli.main(["release", "--system", SYSTEM, "--key", str(released["key"]), "--out", str(tmp_path)]) == 0
+    assert f"{NAME} v1 → {tmp_path / r.archive.name}  sha256 {r.sha256}" in capsys.readouterr().out
+    assert cli.main(["verify-release", str(tmp_path / r.archive.name), "--key", str(pub)]) == 0
+    assert [ln[:4] for ln in capsys.readouterr().out.splitlines()] == ["ok  "] * 6 + ["veri"]
+    assert cli.main(["release", "--system", SYSTEM, "canary", "--key", str(released["key"])]) == 2
+    err = capsys.readouterr().err
+    assert "no version has the alias 'canary'" in err and f"kiln history --system {SYSTEM}" in err
+
+
+# ---------------------------------------------------------------------------------------------- tampering
+MEMBERS = {"engine": f"engines/{INT8}/model.onnx", "system.json": "system/system.json",
+           "gallery": "gallery/embeddings.npy", "config": "config/params.json"}
+
+
+@slow
+@pytest.mark.parametrize("member", [*MEMBERS, "archive"])
+def test_a_flipped_byte_anywhere_fails_verify_release(released, tmp_path, member, capsys):
+    """One bit of one member (engine file, system.json, gallery, config) changed and the archive repacked as
+    `kiln release` packs it: the signed statement names the member. One bit of the archive itself: refused."""
+    if member == "archive":
+        bad = tmp_path / "bad.tar.gz"
+        shutil.copyfile(released["release"].archive, bad)
+        _flip(bad)
+        expected = f"{bad}: "
+    else:
+        tree = _tree(released["release"].archive, tmp_path / "x")
+        _flip(tree / MEMBERS[member])
+        bad = _repack(tmp_path / "x", tmp_path / "bad.tar.gz")
+        expected = f"signed content: {MEMBERS[member]}: sha256 differs"
+    with pytest.raises(GateFailed) as e:
+        system_release.verify(bad, released["pub"])
+    assert expected in e.value.message, e.value.message
+    if member == "gallery":                   # identify verifies first: nothing runs, exit 1
+        photo = list_photos(released["root"] / released["cfg"].data.photos)[0].path
+        capsys.readouterr()
+        assert cli.main(["identify", "--release", str(bad), "--key", str(released["pub"]), str(photo)]) == 1
+        out, err = capsys.readouterr()
+        assert "face" not in out and "kiln: gate failed: signed content: gallery/embeddings.npy" in err
+
+
+def _swap_engine(tree: Path, root: Path) -> None:
+    """The INT8 embedder's files replaced by the FP32 engine's (its manifest under the INT8 name)."""
+    d, src = tree / "engines" / INT8, paths.engine(FP32, root)
+    for f in ("model.onnx", "session.json"):
+        (d / f).unlink()
+        shutil.copyfile(src / f, d / f)
+    (d / f"{INT8}.manifest.json").unlink()
+    shutil.copyfile(src / f"{FP32}.manifest.json", d / f"{INT8}.manifest.json")
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_bytes())
+    edit(doc)
+    path.unlink()
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+def _other_embedder(doc: dict) -> None:
+    next(i for i in doc["inputs"] if i["role"] == "embedder")["xxh3_128"] = "0" * 32
+
+
+def _pin(doc: list) -> None:
+    next(p for p in doc if p["model"] == "embedder")["version"] = 2
+
+
+RESIGNED = {
+    "engine": (lambda t, root: _swap_engine(t, root), f"but the system version pins {INT8} at"),
+    "gallery": (lambda t, root: _edit_json(t / "gallery" / f"{SYSTEM}.manifest.json", _other_embedder),
+                f"not by the pinned embedder {INT8}"),
+    "config": (lambda t, root: _edit_json(t / "config" / "params.json",
+                                          lambda d: d["models.embedder"].update(verify_threshold=0.9)),
+               "not the params slice the system was gated with"),
+    "pins": (lambda t, root: _edit_json(t / "system" / "kiln" / "parts.json", _pin), "not the registered content"),
+}
+
+
+@slow
+@pytest.mark.parametrize("case", RESIGNED)
+def test_a_re_signed_inconsistent_system_release_fails(released, tmp_path, case):
+    """Signed again with the publisher's own key after the edit, so only Kiln's own checks can catch it: another
+    engine where the pin names the INT8 one, a gallery made by another embedder, a config slice that is not the
+    gated one, pins that are not the registered ones."""
+    edit, expected = RESIGNED[case]
+    tree = _tree(released["release"].archive, tmp_path / "x")
+    edit(tree, released["root"])
+    sig = tmp_path / "x" / f"{REL}{release.SIG_SUFFIX}"
+    sig.unlink()
+    signing.sign_tree(tree, sig, released["key"])
+    with pytest.raises(GateFailed) as e:
+        system_release.verify(_repack(tmp_path / "x", tmp_path / "bad.tar.gz"), released["pub"])
+    assert expected in e.value.message, e.value.message
+
+
+# ---------------------------------------------------------------------------------------------- deploy
+def _faces(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if not ln.startswith(("engines: ", "release: "))]
+
+
+@slow
+def test_identify_from_the_release_outside_any_checkout(released, tmp_path, capsys, monkeypatch):
+    """`kiln identify --release ARCHIVE` in an empty folder (no params.yaml, no artifacts, an unreachable registry)
+    names the same people, boxes and distances as `kiln identify --system` from the checkout; in-process, the
+    verified, extracted archive's System agrees with the checkout's leave-one-out too (the `unknown`s)."""
+    from pipeline.e2e import System, resolve
+
+    root, c8 = released["root"], released["cfg"]
+    photos = list_photos(root / c8.data.photos)
+    shutil.copytree(root / c8.data.photos, tmp_path / "photos", symlinks=False)
+    mine = [str(tmp_path / "photos" / p.identity / p.path.name) for p in photos]
+    (tmp_path / "host").mkdir()
+    (tmp_path / "scratch").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_"))}
+    env.update(MLFLOW_TRACKING_URI="http://127.0.0.1:9", TMPDIR=str(tmp_path / "scratch"))
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "identify", "--release", str(released["release"].archive),
+                        "--key", str(released["pub"]), *mine], cwd=tmp_path / "host", env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith(f"release: {released['release'].archive} verified offline ({NAME} v1: 6 checks")
+    assert f"embedder={INT8} ({NAME} v1)" in r.stdout
+    assert list((tmp_path / "host").iterdir()) == []           # nothing written where it ran; the private
+    assert [p for p in (tmp_path / "scratch").iterdir() if p.name.startswith("kiln-")] == []   # copies removed
+
+    shutil.copy(c8.source, root / "params.yaml")
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    assert cli.main(["identify", "--system", SYSTEM, *mine]) == 0
+    checkout = capsys.readouterr().out
+    assert f"embedder={INT8}" in checkout
+    assert _faces(r.stdout) == _faces(checkout) and len(_faces(checkout)) == 2 * len(photos)
+    for p in photos:
+        assert f"→ {p.identity} (nearest {p.identity}," in r.stdout
+
+    here = System.from_picks(c8, SYSTEM, resolve(c8, SYSTEM), root, system=SYSTEM)
+    here.enroll(root)
+    with system_release.verified(released["release"].archive, released["pub"]) as (tree, checked):
+        deployed = system_release.deployed(tree, checked).system
+        unknown = 0
+        for i, p in enumerate(photos):
+            rgb = load_rgb(p.path)
+            for exclude in (None, i):
+                ours, theirs = deployed.identify(rgb, exclude), here.identify(rgb, exclude)
+                assert [(m.box, m.identity, m.nearest, m.distance) for m in ours] == \
+                       [(m.box, m.identity, m.nearest, m.distance) for m in theirs], (p.path.name, exclude)
+                unknown += sum(m.identity == "unknown" for m in ours)
+    assert unknown >= 1                       # one-photo people, left out of the gallery
+
+    monkeypatch.chdir(tmp_path / "host")      # flags that do not apply to a release, and a missing key
+    for extra, needle in ((["--gallery", "1000"], "--gallery does not apply"), ([], "needs the publisher's")):
+        key = [] if not extra else ["--key", str(released["pub"])]
+        assert cli.main(["identify", "--release", str(released["release"].archive), *key, *extra, mine[0]]) == 2
+        assert needle in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the config slice
+def test_the_config_slice_is_what_system_reads(cfg, tmp_path):
+    """The params slice system@ records, as a Config: the same typed entries as params.yaml's; nothing else on it;
+    a key a system does not read, or a bad value, refused as release content."""
+    from pipeline.stages import system as system_stage
+
+    values = system_stage.STAGE.param_values(cfg, SYSTEM)
+    d = system_release.deploy_config(values, tmp_path / "params.json")
+    assert d.system(SYSTEM) == cfg.system(SYSTEM) and d.data.template == cfg.data.template
+    assert all(d.model(m) == cfg.model(m) for m in ("pnet", "rnet", "onet", "aligner", "embedder"))
+    assert all(d.engine(e) == cfg.engine(e) for e in (k.removeprefix("engines.") for k in values
+                                                          if k.startswith("engines.")))
+    with pytest.raises(AttributeError):
+        d.matching
+    with pytest.raises(GateFailed, match="is not a key a face system reads"):
+        system_release.deploy_config({**values, "matching.gallery_sizes": [1]}, tmp_path / "params.json")
+    bad = {**values, "models.embedder": {**values["models.embedder"], "verify_threshold": -1}}
+    with pytest.raises(GateFailed, match="models.embedder.verify_threshold"):
+        system_release.deploy_config(bad, tmp_path / "params.json")
+    with pytest.raises(KilnError, match="no system named"):
+        d.system("other")
+    assert isinstance(d, config.Config)
