@@ -329,12 +329,13 @@ def check_content(tree: Path, signed_name: str) -> list[str]:
     described = _doc(sdir / paths.SYSTEM_FILE, f"{SYSTEM_DIR}/{paths.SYSTEM_FILE}")
     verdict = _doc(sdir / paths.VERDICT_FILE, f"{SYSTEM_DIR}/{paths.VERDICT_FILE}")
     gated = {m: (e.get("engine"), e.get("xxh3_128")) for m, e in (described.get("engines") or {}).items()}
-    if gated != {p.model: (p.engine, p.xxh3_128) for p in parts}:
+    if gated != {p.model: (p.engine, p.gated_xxh3_128) for p in parts}:
         raise _fail(prel, "the pins are not the engines its system.json was gated with")
     if verdict.get("system") != system or verdict.get("verdict") != "pass":
         raise _fail(f"{SYSTEM_DIR}/{paths.VERDICT_FILE}", f"system {str(verdict.get('system'))[:100]!r}, verdict "
                     f"{str(verdict.get('verdict'))[:40]!r}; a release needs system {system!r}, pass")
-    listed = [{k: p.get(k) for k in ("model", "engine", "registered_model", "version", "xxh3_128", "sha256")}
+    listed = [{k: p.get(k) for k in ("model", "engine", "registered_model", "version", "xxh3_128", "sha256",
+                                         "gated_xxh3_128")}
               for p in doc.get("parts") or []]
     if listed != [asdict(p) for p in parts]:
         raise _fail("release.json", f"its parts are not the pins in {prel}")

@@ -123,6 +123,37 @@ def two_versions(sysroot) -> tuple[config.Config, config.Config]:
 
 # ---------------------------------------------------------------------------------------------- register
 @slow
+def test_an_engine_rebuilt_by_other_code_pins_the_version_its_bytes_registered(sysroot, registry_env, tmp_path):
+    """Engines are registered once per content: compiled again by changed code (same bytes, a new manifest: what
+    every rebuild after a code edit makes), an engine is "already registered" as its first build's version. The
+    system gated on the rebuild pins that version — its registered manifest beside the one system@ gated — and
+    promotes."""
+    from pipeline.manifest import manifest_path, write_manifest
+
+    src = sysroot["root"]
+    c32 = use(sysroot, "fp32")
+    versions = register_parts(c32, src)
+    root = tmp_path / "rebuilt"
+    shutil.copytree(src, root, symlinks=True)
+    e = "aligner-ort-cpu-fp32"
+    mpath = manifest_path(paths.engine(e, root), e)
+    m = json.loads(mpath.read_text())
+    m["code"] = {**m["code"], "pipeline/edited.py": "0" * 32}             # the same files, built by other code
+    mpath.unlink()
+    write_manifest(paths.engine(e, root), m)
+    assert validate.run(c32, e, root).passed
+    assert system_stage.run(c32, SYSTEM, root)["verdict"] == "pass"
+    again = register_stage.run(c32, e, root)
+    assert (again.version, again.new) == (versions[e], False)
+
+    r = systems.register_system(c32, SYSTEM, root)
+    gated = json.loads((paths.system(SYSTEM, root) / paths.SYSTEM_FILE).read_text())["engines"]["aligner"]
+    part = next(p for p in r.parts if p.model == "aligner")
+    assert part.version == versions[e] and part.gated_xxh3_128 == gated["xxh3_128"] != part.xxh3_128
+    assert systems.promote(c32, SYSTEM, r.version, root).system.to_version == r.version
+
+
+@slow
 def test_register_system_pins_parts_and_is_idempotent(sysroot, registry_env):
     root = sysroot["root"]
     c32 = use(sysroot, "fp32")

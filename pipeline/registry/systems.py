@@ -53,7 +53,7 @@ from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, 
 
 PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name>
 PARTS_FILE = "parts.json"
-PART_KEYS = ("registered_model", "version", "xxh3_128", "sha256")
+PART_KEYS = ("registered_model", "version", "xxh3_128", "sha256", "gated_xxh3_128")
 
 
 def registered(name: str) -> str:
@@ -76,8 +76,11 @@ class Part:
     engine: str
     registered_model: str
     version: int
-    xxh3_128: str             # the engine manifest's identity digest system@ gated
-    sha256: str               # its registered content digest
+    xxh3_128: str             # the registered version's engine manifest identity digest (what a release ships)
+    sha256: str               # its registered content digest: the bytes system@ gated
+    gated_xxh3_128: str       # the identity digest of the engine manifest system@ gated: the same bytes, but another
+    #                           manifest than the registered one when the engine was rebuilt by other code since
+    #                           (registration is once per content, so that build is "already registered")
 
 
 @dataclass(frozen=True)
@@ -135,21 +138,28 @@ def _local(cfg, system: str, root: Path) -> tuple[dict, dict, dict]:
     return manifest, described, verdict
 
 
-def _pins(reg: Registry, cfg, system: str, described: dict) -> list[Part]:
-    """Each engine of the system, pinned to the registered version of exactly the build system@ gated."""
+def _pins(reg: Registry, cfg, system: str, described: dict, root: Path) -> list[Part]:
+    """Each engine of the system, pinned to the registered version of exactly the bytes system@ gated: engines are
+    registered once per content digest, so a rebuild by other code (same bytes, a new manifest) pins the version
+    its first build registered."""
     out = []
     for model, e in sorted(described["engines"].items()):
-        engine, ident = e["engine"], e["xxh3_128"]
-        name = registered_name(cfg, engine)
+        engine, gated = e["engine"], e["xxh3_128"]
+        mpath = manifest_path(paths.engine(engine, root), engine)
+        local = read_manifest(mpath) if mpath.is_file() else None
+        if local is None or identity_digest(local) != gated or verify_manifest(mpath, root):
+            raise KilnError(f"system {system}: its {model} engine {engine} is not here as system@ gated it (manifest "
+                            f"{gated})", f"gate the system again: dvc repro {address(f'system@{system}')}")
+        content, name = artifact_digest(local), registered_name(cfg, engine)
         hint = f"register it first: kiln register {engine} (or dvc repro {address(f'register@{engine}')})"
-        found = reg.client.search_model_versions(f"name = '{name}' and tags.xxh3_128 = '{ident}'")
-        found = [v for v in found if v.run_id and
-                 reg.client.get_run(v.run_id).data.params.get(PARAM + "manifest_xxh3_128") == ident]
+        found = [(v, reg.client.get_run(v.run_id).data.params) for v in
+                 reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = '{content}'") if v.run_id]
+        found = [(v, params) for v, params in found if params.get(PARAM + "sha256") == content]
         if not found:
-            raise KilnError(f"system {system}: its {model} engine {engine} (manifest {ident}) is not registered", hint)
-        v = min(found, key=lambda v: int(v.version))
-        out.append(Part(model, engine, name, int(v.version), ident,
-                        reg.client.get_run(v.run_id).data.params[PARAM + "sha256"]))
+            raise KilnError(f"system {system}: its {model} engine {engine} (sha256 {content[:12]}…) is not registered",
+                            hint)
+        v, params = min(found, key=lambda f: int(f[0].version))
+        out.append(Part(model, engine, name, int(v.version), params[PARAM + "manifest_xxh3_128"], content, gated))
     return out
 
 
@@ -163,7 +173,7 @@ def register_system(cfg, system: str, root: Path = Path("."), allow_failed: bool
                          "not registered", "fix it, or register it deliberately with --allow-failed (no alias)")
     reg, name = Registry(cfg, root), registered(system)
     with errors(reg.uri):
-        parts = _pins(reg, cfg, system, described)
+        parts = _pins(reg, cfg, system, described, root)
         digest = _content(system, manifest, parts)
         art = SimpleNamespace(name=PREFIX + system)          # what registration's repair helpers read
         with reg.lock(name):
@@ -317,7 +327,7 @@ def download_system(reg: Registry, name: str, version: int, dst: Path) -> Verifi
         problems.append("the content digest of the stored manifest and pins is not the registered one")
     described, verdict = load(paths.SYSTEM_FILE), load(paths.VERDICT_FILE)
     gated = {m: (e.get("engine"), e.get("xxh3_128")) for m, e in (described.get("engines") or {}).items()}
-    if gated != {p.model: (p.engine, p.xxh3_128) for p in parts}:
+    if gated != {p.model: (p.engine, p.gated_xxh3_128) for p in parts}:
         problems.append("the pinned parts are not the engines its system.json was gated with")
     if verdict.get("system") != system:
         problems.append(f"its verdict.json is about system {str(verdict.get('system'))[:100]!r}")
