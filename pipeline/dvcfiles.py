@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 # The groups of the root dvc.yaml, in the order it lists them.
-ROOT_GROUPS = ("register", "debug-precision", "trt-audit", "fallback-table", "leaderboard", "register-index", "system")
+ROOT_GROUPS = ("register", "debug-precision", "trt-audit", "fallback-table", "leaderboard", "register-index", "system",
+               "sysbench")
 OWN_FILES = {"toolchain": "toolchain/dvc.yaml"}
 
 

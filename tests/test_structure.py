@@ -158,7 +158,7 @@ def declared() -> dict[str, dict]:
 
     cfg = config.load(REPO / "params.yaml")
     out: dict[str, dict] = {}
-    for text in dag.render(cfg).values():
+    for file, text in dag.render(cfg).items():
         for group, body in (yaml.safe_load(text).get("stages") or {}).items():
             keyed = body.get("foreach")
             spec = body["do"] if keyed is not None else body
@@ -172,6 +172,9 @@ def declared() -> dict[str, dict]:
                 out[group if key is None else f"{group}@{key}"] = {
                     "module": rel(reader().module_file(spec["cmd"].split()[2])),
                     "deps": {sub(d) for d in spec.get("deps", [])},
+                    "outs": {sub(next(iter(o)) if isinstance(o, dict) else o)
+                             for kind in ("outs", "metrics", "plots") for o in spec.get(kind, [])},
+                    "file": file,
                     "packages": {v.removeprefix("packages.") for v in files.get("artifacts/toolchain/python.yaml",
                                                                                   []) if v.startswith("packages.")},
                     "targets": {Path(k).stem for k in files if k.startswith("artifacts/toolchain/")
@@ -209,6 +212,20 @@ def test_a_package_bump_reruns_only_the_stages_whose_code_uses_it(declared):
         wrong[n] = " → ".join(path_between(edges, module, users) or [module, "(a module it loads by name)"])
     assert not wrong, (f"{len(wrong)} stages rerun on a {PACKAGE} bump without using it ({PACKAGE} is imported by "
                        f"{', '.join(sorted(users))}):\n" + "\n".join(f"  {n}: {c}" for n, c in wrong.items()))
+
+
+def test_a_plain_dvc_repro_reaches_every_stage(declared):
+    """`dvc repro` (scripts/run.sh) reproduces the root dvc.yaml and what its stages depend on. So a stage in a group
+    file (dag/<group>/dvc.yaml) must be upstream of another stage: an output of it is another stage's dependency.
+    A group nothing depends on (a report, a registration, a benchmark) belongs in the root file
+    (pipeline/dvcfiles.py ROOT_GROUPS), or the full default DAG silently never runs it."""
+    def feeds(out: str, dep: str) -> bool:
+        return dep == out or dep.startswith(out + "/") or out.startswith(dep + "/")
+
+    deps = {d for s in declared.values() for d in s["deps"]}
+    unreached = sorted(n for n, s in declared.items() if s["file"] not in ("dvc.yaml", "toolchain/dvc.yaml")
+                       and not any(feeds(o, d) for o in s["outs"] for d in deps))
+    assert not unreached, f"no stage depends on these, and they are not in the root dvc.yaml: {unreached}"
 
 
 def facemetrics_file() -> str:

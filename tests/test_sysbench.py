@@ -10,6 +10,7 @@ import yaml
 
 from conftest import make_root, write_params
 from pipeline import config, dag
+from pipeline.dvcfiles import dvcfile
 from pipeline.errors import KilnError
 from pipeline.sysbench import frames, load, roofline
 
@@ -104,7 +105,7 @@ def test_stream_counts_must_ascend(tmp_path):
 
 
 def test_sysbench_timings_are_never_cached_outputs(cfg):
-    rendered = yaml.safe_load(dag.render(cfg)["dag/sysbench/dvc.yaml"])
+    rendered = yaml.safe_load(dag.render(cfg)[dvcfile("sysbench")])
     outs = rendered["stages"]["sysbench"]["do"]
     declared = [o for group in ("outs", "metrics") for o in outs.get(group, [])]
     assert len(declared) == 2
