@@ -322,8 +322,12 @@ def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo)
     dom, console = render_in_chromium(repo / "artifacts/reports/report.html", "report.png", height=4200)
     assert console == [], console
     models = {e["model"] for e in engines.values()}
-    assert dom.count('<table class="engines">') == len(models)
-    assert dom.count('class="plot"') == len(models) + 1                 # accuracy vs latency per model, 1 curve
+    systems = yaml.safe_load((repo / "params.yaml").read_text())["systems"]
+    # a table per model and per system under load (sysbench@ runs in the default DAG)
+    assert dom.count('<table class="engines">') == len(models) + len(systems)
+    # accuracy vs latency per model, 1 matching curve, the systems' stacked bar, a roofline per system
+    assert dom.count('class="plot"') == len(models) + 1 + 1 + len(systems)
+    assert 'id="systems"' in dom and all(f"<h3>{s}: " in dom for s in systems) and "roofline" in dom
     assert all(f"<h3>{m}</h3>" in dom for m in models) and "gallery-10000: recall@1 vs latency" in dom
     assert dom.count('class="node"') >= len(engines) + 10 and "#ffcecb" not in dom     # nothing drawn broken
     assert 'class="l v-pass"' in dom
