@@ -46,6 +46,9 @@ def cmd_identify(args) -> int:
     rgbs = [(p, load_rgb(Path(p))) for p in args.images]  # a corrupt, oversized or non-image file stops here
     if isinstance(args.release, str):
         return _identify_release(args, rgbs)
+    if args.key:
+        raise KilnError("--key verifies a system release archive: it needs --release ARCHIVE",
+                        "pass --release ARCHIVE --key KEY.pub, or drop --key")
     cfg = _cfg(args)
     name = args.system or DEFAULT_SYSTEM
     tmp = None
@@ -58,8 +61,9 @@ def cmd_identify(args) -> int:
         system = System.eager(cfg, system=name)
     elif args.target == "fastest":
         system = System.fastest(cfg, release_dir=release_dir, system=name)
-    elif args.target is None and args.precision is None:     # the system as system@ gates it (its pins first)
-        system = System.from_picks(cfg, name, resolve(cfg, name), release_dir=release_dir, system=name)
+    elif args.target is None:           # the system as system@ gates it (its pins first), or in another precision
+        system = System.from_picks(cfg, name, resolve(cfg, name, None, args.precision), release_dir=release_dir,
+                                   system=name)
     else:
         system = System.from_engines(cfg, args.target or "ort-cpu", args.precision or "int8",
                                      release_dir=release_dir, system=name)

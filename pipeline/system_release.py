@@ -111,7 +111,7 @@ def _resolve(reg, name: str, system: str, ref: str) -> int:
     from pipeline.registry.releases import PRODUCTION
 
     ref = str(ref)
-    if ref.removeprefix("v").isdigit():
+    if re.fullmatch(r"v?[0-9]{1,9}", ref):
         return int(ref.removeprefix("v"))
     version = reg.aliases(name).get(paths.slug(ref, "alias"))
     if version is None:
@@ -340,7 +340,7 @@ def check_content(tree: Path, signed_name: str) -> list[str]:
     if listed != [asdict(p) for p in parts]:
         raise _fail("release.json", f"its parts are not the pins in {prel}")
     done = [f"system: {name} v{doc['version']}, system.json + verdict.json match {mrel}; content digest and pins "
-            f"= the registered ones ({len(parts)} parts); system gate pass"]
+            f"= release.json's, as signed ({len(parts)} parts); system gate pass"]
     # each engine IS its pin
     for p, entry in zip(parts, doc["parts"]):
         edir = tree / ENGINES_DIR / paths.slug(p.engine, "engine")
@@ -403,7 +403,7 @@ def check_content(tree: Path, signed_name: str) -> list[str]:
         raise _fail("release.json", "its gallery entry is not the shipped gallery")
     labels = _doc(tree / GALLERY_DIR / LABELS, f"{GALLERY_DIR}/{LABELS}")
     try:
-        emb = np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False)
+        emb = np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False, mmap_mode="r")
     except (OSError, ValueError) as e:
         raise _fail(f"{GALLERY_DIR}/{EMBEDDINGS}", f"not a numpy array ({type(e).__name__})") from None
     rows = (gm.get("build") or {}).get("rows")
@@ -487,7 +487,7 @@ def deployed(tree: Path, checked: list[str] | None = None) -> Deployed:
     made = System.from_dirs(dcfg, f"{doc['registered_model']}-v{doc['version']}",
                             {m: tree / p for m, p in ((p["model"], p["dir"]) for p in doc["parts"])}, picks, system)
     made.engines = {m: f"{e} ({doc['registered_model']} v{doc['version']})" for m, e in made.engines.items()}
-    emb = np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False)
+    emb = np.array(np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False, mmap_mode="r"))   # checked above
     made.gallery = (emb, json.loads((tree / GALLERY_DIR / LABELS).read_bytes()))
     return Deployed(made, doc["registered_model"], int(doc["version"]), list(checked or []))
 

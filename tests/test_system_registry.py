@@ -377,3 +377,11 @@ def test_gallery_compat_limits_are_checked_by_config(tmp_path):
     with pytest.raises(KilnError) as e:
         config.load(write_params(tmp_path, lambda raw: raw["gallery_compat"].update(flips_max=0)))
     assert "gallery_compat.flips_max" in e.value.message
+
+
+def test_gallery_compat_compares_engines_of_one_embedder(cfg):
+    """Two engines of different models, or of a model that embeds nothing: one clear error before anything loads."""
+    with pytest.raises(KilnError, match="engine of embedder, aligner-ort-cpu-fp32 of aligner"):
+        gallery_compat.compare(cfg, INT8, "aligner-ort-cpu-fp32")
+    with pytest.raises(KilnError, match="pnet is not an embedder"):
+        gallery_compat.compare(cfg, "pnet-ort-cpu-fp32", "pnet-openvino-cpu-fp32")

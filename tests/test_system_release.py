@@ -274,3 +274,10 @@ def test_the_config_slice_is_what_system_reads(cfg, tmp_path):
     with pytest.raises(KilnError, match="no system named"):
         d.system("other")
     assert isinstance(d, config.Config)
+
+
+def test_identify_key_needs_a_release_archive(assets_dir, capsys):
+    """--key only verifies a system release: without --release ARCHIVE it is an error, not silently ignored."""
+    photo = next((assets_dir / "photos").rglob("*.jpg"))
+    assert cli.main(["identify", str(photo), "--release", "--key", "k.pub"]) == 2
+    assert "--key verifies a system release archive" in capsys.readouterr().err

@@ -28,8 +28,10 @@ import numpy as np
 
 from pipeline import engines, paths, samples
 from pipeline.data import load_set
+from pipeline.errors import KilnError
 from pipeline.gates.facemetrics import check
 from pipeline.manifest import manifest_path, read_manifest
+from pipeline.roles import registry as roles
 from pipeline.vectors import as_l2
 
 COMPATIBLE, RE_ENROLL = "compatible", "re-enroll required"
@@ -116,9 +118,10 @@ def _rounded(v: Any) -> Any:
 
 def _runner(cfg, name: str, directory: Path | None, root: Path):
     """A verified runner of engine `name` from `directory` (default: its local build)."""
-    d = Path(directory) if directory is not None else paths.engine(name, root)
-    target = read_manifest(manifest_path(d, name)).get("target") or cfg.engine(name).target
-    return engines.load(target, d, name)
+    if directory is None:           # the local build: params.yaml says what it is, the load checks the manifest
+        return engines.load(cfg.engine(name).target, paths.engine(name, root), name)
+    d = Path(directory)             # a verified registry download: its own manifest names the target
+    return engines.load(read_manifest(manifest_path(d, name)).get("target") or cfg.engine(name).target, d, name)
 
 
 def compare(cfg, candidate: str, production: str, root: Path = Path("."), candidate_dir: Path | None = None,
@@ -126,7 +129,14 @@ def compare(cfg, candidate: str, production: str, root: Path = Path("."), candid
     """Measure `candidate` (engine name) against a gallery enrolled by `production`, both of embedder `model`
     (default: the candidate's model in params.yaml); `*_dir`: a verified copy elsewhere (a registry download)."""
     root = Path(root)
-    model = model or cfg.engine(candidate).model
+    if model is None:               # two local engines (kiln gallery-compat): both of one embedder model
+        model = cfg.engine(candidate).model
+        if (other := cfg.engine(production).model) != model:
+            raise KilnError(f"{candidate} is an engine of {model}, {production} of {other}: a gallery is read by "
+                            "engines of one embedder", "compare two engines of the same embedder model")
+        if cfg.model(model).samples not in roles.with_task("embed"):
+            raise KilnError(f"{candidate}: {model} is not an embedder (role {cfg.model(model).samples})",
+                            "compare two embedder engines, e.g. embedder-ort-cpu-int8 embedder-ort-cpu-fp32")
     mcfg = cfg.model(model)
     gset = load_set(paths.data_set(samples.chip_set(cfg, model, "golden"), root))
     x = samples.chip_input(mcfg, gset.chips)

@@ -320,6 +320,9 @@ def download_system(reg: Registry, name: str, version: int, dst: Path) -> Verifi
         parts = tuple(Part(**{**p, "version": int(p["version"])}) for p in json.loads(raw_parts))
     except (ValueError, TypeError, KeyError):
         raise GateFailed(tampered.format(f"{PARTS_FILE} is not a list of parts"), hint) from None
+    if bad := [p for p in parts if not (paths.is_slug(p.engine) and paths.is_slug(p.model))]:   # they become paths
+        raise GateFailed(tampered.format(f"{PARTS_FILE} names a part that is not a valid name "
+                                         f"({str(bad[0].model)[:40]!r}: {str(bad[0].engine)[:80]!r})"), hint)
     for p in parts:
         if any(params.get(f"{PARAM}part.{p.model}.{k}") != str(getattr(p, k)) for k in PART_KEYS):
             problems.append(f"the stored pin of {p.model} is not the registered one")

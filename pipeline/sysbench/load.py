@@ -125,7 +125,7 @@ def _point(p: Plan, streams: int, point_id: int, n_frames: int, current, jobs, i
     from pipeline.sysbench.frames import pick
 
     current.value = point_id
-    ticks = int(round((WARMUP_S + p.seconds) * p.fps))
+    ticks = max(1, int(round((WARMUP_S + p.seconds) * p.fps)))       # a very low rate still offers one frame
     t0 = time.monotonic() + 0.05
     schedule = sorted((t0 + k / p.fps + s / (p.fps * streams), s, k) for s in range(streams) for k in range(ticks))
     for at, s, k in schedule:
