@@ -341,7 +341,7 @@ class BenchConfig:
 @frozen
 class SysbenchConfig:
     """sysbench@<system>: sustained load on a face system (pipeline/sysbench/)."""
-    streams: Annotated[tuple[Count, ...], Field(min_length=1)] = (1, 2, 4, 8)   # the sweep: streams, ascending
+    streams: tuple[Count, ...] = (1, 2, 4, 8)      # the sweep: concurrent streams, ascending
     fps: Annotated[Float, Field(gt=0, le=240)] = 10.0                # frames per second per stream
     resolution: tuple[Annotated[StrictInt, Field(ge=64, le=4096)], Annotated[StrictInt, Field(ge=64, le=4096)]] = \
         (640, 480)                                                   # width, height of every frame

@@ -65,6 +65,11 @@ def cores() -> int:
 def plan(cfg) -> Plan:
     """The sweep for this machine: workers one per core unless params say, threads per engine = cores / workers."""
     sb = cfg.sysbench
+    if not sb.streams:              # (checked here, not in config.py's schema: every stage tracks config.py)
+        from pipeline.errors import KilnError
+
+        raise KilnError(f"{cfg.source}: sysbench.streams is empty: nothing to sweep",
+                        "list stream counts, smallest first (e.g. [1, 2, 4, 8])")
     n = cores()
     workers = sb.workers or n
     return Plan(tuple(sb.streams), sb.fps, sb.seconds, sb.p99_budget_ms, sb.max_batch, workers,
