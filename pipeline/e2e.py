@@ -150,32 +150,22 @@ class System:
                 raise KilnError(f"engine {pick.name} is not built",
                                 f"build it first: dvc repro {address(f'compile@{pick.name}')}")
             dirs[model], chosen[model] = paths.engine(pick.name, root), pick.name
-        runners = {m: engines.load(cfg.engine(picks[m]).target, d, picks[m], threads) for m, d in dirs.items()}
-        spec = cfg.system(system)
-        nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m])
-                     for m in (NETS if spec.detector == MTCNN else (spec.detector,)))
-        align = None
-        if "aligner" in runners:
-            align = lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0]  # noqa: E731
-        else:
-            size = cfg.model(spec.embedder).preprocess.chip_size
-            chosen["align"] = f"pytorch reference warp {size}×{size} (no aligner engine for this chip geometry)"
-        made = cls(name, nets, align, runners[spec.embedder].run, cfg, chosen, system=system)
-        made.threads_used = {m: getattr(r, "threads", None) for m, r in runners.items()}
-        return made
+        return cls.from_dirs(cfg, name, dirs, picks, system, threads, chosen)
 
     @classmethod
     def from_dirs(cls, cfg: Config, name: str, dirs: dict[str, Path], picks: dict[str, str],
-                  system: str = DEFAULT_SYSTEM, threads: int | None = None) -> "System":
-        """The system of engine directories outside any checkout (an extracted system release): `dirs` model → the
-        folder holding that engine's files and manifest, `picks` model → engine name. `cfg` needs only the
-        system's slice (systems, models, engines, data: pipeline/system_release.py). Each engine still loads only
-        after its files verify against its manifest."""
+                  system: str = DEFAULT_SYSTEM, threads: int | None = None,
+                  labels: dict[str, str] | None = None) -> "System":
+        """The system of engine directories: `dirs` model → the folder holding that engine's files and manifest (a
+        build, a registry download, an extracted system release), `picks` model → engine name, `labels` model → how
+        `engines` names it (default: the engine name). `cfg` needs only the system's slice (systems, models,
+        engines, data: pipeline/system_release.py). Each engine still loads only after its files verify against its
+        manifest."""
         if missing := [m for m in graphs(cfg, system) if m not in dirs or m not in picks]:
             raise KilnError(f"system {system}: no engine for {', '.join(missing)}", "release the whole system again")
         runners = {m: engines.load(cfg.engine(picks[m]).target, Path(dirs[m]), picks[m], threads)
                    for m in graphs(cfg, system)}
-        chosen = {m: picks[m] for m in runners}
+        chosen = dict(labels) if labels else {m: picks[m] for m in runners}
         spec = cfg.system(system)
         nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m])
                      for m in (NETS if spec.detector == MTCNN else (spec.detector,)))
