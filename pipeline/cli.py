@@ -251,6 +251,12 @@ def cmd_report(args) -> int:
     return 1 if r.broken else 0
 
 
+def cmd_lock_classes(args) -> int:
+    from pipeline import lockdiff
+
+    return lockdiff.main(args.against)
+
+
 def cmd_plan(args) -> int:
     import dataclasses
     import json
@@ -265,7 +271,7 @@ def cmd_plan(args) -> int:
 def cmd_rebuild_check(args) -> int:
     from pipeline import rebuild
 
-    return rebuild.main(_cfg(args), args.stage)
+    return rebuild.main(_cfg(args), args.stage, cpu=args.cpu)
 
 
 def _print_move(m) -> None:
@@ -493,10 +499,16 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
             "whether the shared DVC remote already has its current build")
     p.add_argument("--no-remote", action="store_true", help="plan against dvc.lock and this host only")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p = add("lock-classes", cmd_lock_classes, "after dvc repro: every stage's lock entry against a commit's — "
+            "bit-identical, host-bound, follows its inputs, not reproducible or different (exit 1 if a stage with "
+            "the committed inputs, or a portable stage, did not reproduce)")
+    p.add_argument("--against", default="HEAD", help="the commit whose dvc.lock files to compare with (HEAD)")
     p = add("rebuild-check", cmd_rebuild_check, "rebuild one stage in a fresh process in a scratch project and "
             "classify the result: bit-identical, numerically equivalent, task-equivalent (exit 1 if below the "
             "target's claim)")
     p.add_argument("stage", help="a DAG stage, e.g. compile@embedder-aoti-cpu-fp32 or export@embedder")
+    p.add_argument("--cpu", metavar="MODEL", help="rebuild on an emulated CPU (qemu-user's CPU model, e.g. EPYC-Rome "
+                   "for a Zen 2 with AVX2 only): do the portable stages give this host's bytes on another ISA?")
     system_help = ("NAME is a face system (params.yaml `systems:`), registered as kiln-system-NAME by kiln "
                    "register-system: its version and every part move together")
     re_enroll_help = ("a system whose embedder cannot read the production gallery (re-enroll required) is moved "

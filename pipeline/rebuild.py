@@ -12,6 +12,12 @@ An engine must reach its target's claim (`reproducibility.claim`: ort-cpu and ao
 TensorRT task-equivalent, TensorRT-RTX numerically-equivalent); every other build stage claims bit-identical.
 The command exits 1 below the claim.
 Stages that are not builds (toolchain, bench timings, registration) are refused: rebuilding them proves nothing.
+
+`--cpu MODEL` rebuilds a portable stage (pipeline/portable.py) on an emulated CPU — qemu-user with that model's
+CPUID, so PyTorch, oneDNN, MKL, NumPy, OpenBLAS and ONNX Runtime all pick that CPU's kernels — and must find this
+host's bytes: the cross-ISA check of the stages every host shares, without a second machine. The record of the
+emulated run names the host class its CPUID gave, which the output prints, so a run that escaped the emulator
+shows. Emulation is slow (≈ 10× here) and is no place for timings.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pipeline import dag, engines, paths, samples, scratch, targets
 from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import file_digests
+from pipeline.records import read_record
 from pipeline.targets.base import CLASSES
 
 NOT_BUILDS = ("toolchain", "bench", "register", "register-index")
@@ -58,7 +65,8 @@ def engine_max_abs(cfg, engine: str, a: Path, b: Path, root: Path) -> float:
     return worst
 
 
-def classify(cfg, stage_name: str, root: Path = Path(".")) -> dict:
+def classify(cfg, stage_name: str, root: Path = Path("."), cpu: str | None = None) -> dict:
+    """Rebuild `stage_name` in a scratch project — on an emulated CPU model when `cpu` is given — and classify it."""
     group, _, key = stage_name.partition("@")
     if group in NOT_BUILDS:
         raise KilnError(f"{stage_name}: not a build (a probe, timings or a registry write); nothing to rebuild",
@@ -67,15 +75,23 @@ def classify(cfg, stage_name: str, root: Path = Path(".")) -> dict:
     key = key or None
     if (spec.keys is None) != (key is None) or (key is not None and key not in spec.keys(cfg)):
         raise KilnError(f"no stage {stage_name!r}", "see dvc.yaml for the stage names")
+    if cpu and not spec.portable:
+        from pipeline import catalog
+
+        portable = ", ".join(d.name for d in catalog.declared() if catalog.load(d).portable)
+        raise KilnError(f"{stage_name}: not a portable stage; what it builds follows the CPU it runs on, by design",
+                        f"--cpu checks the stages every host shares: {portable}")
     outs = [o.path for o in spec.outs(cfg, key)]
     for rel in outs:
         if not (root / rel).exists():
             raise KilnError(f"{root / rel}: not built", f"build it first: dvc repro {address(stage_name)}")
     claim = targets.get(cfg.engine(key).target).reproducibility if group == "compile" else None
-    with scratch.rebuild(spec, cfg, key, root) as other:
+    prefix = scratch.emulator(cpu) if cpu else ()
+    with scratch.rebuild(spec, cfg, key, root, prefix=prefix) as other:
         other = Path(other)
         differ = compare_outputs(outs, root, other)
-        result = {"stage": stage_name, "differing_files": differ, "claim": claim.claim if claim else CLASSES[0]}
+        result = {"stage": stage_name, "differing_files": differ, "claim": claim.claim if claim else CLASSES[0],
+                  "cpu": cpu or "this host", "ran_as": (read_record(stage_name, other) or {}).get("cpuid_class")}
         if not differ:
             result["class"] = CLASSES[0]
         elif group != "compile":
@@ -96,8 +112,8 @@ def classify(cfg, stage_name: str, root: Path = Path(".")) -> dict:
     return result
 
 
-def main(cfg, stage_name: str, root: Path = Path(".")) -> int:
-    r = classify(cfg, stage_name, root)
+def main(cfg, stage_name: str, root: Path = Path("."), cpu: str | None = None) -> int:
+    r = classify(cfg, stage_name, root, cpu)
     detail = ""
     if r["differing_files"]:
         detail = f"; differs in {', '.join(r['differing_files'][:5])}"
@@ -105,7 +121,8 @@ def main(cfg, stage_name: str, root: Path = Path(".")) -> int:
         detail += f"; max |Δ| on the golden feeds {r['max_abs']:.3g}"
     if r.get("gate_failures"):
         detail += "; gate: " + "; ".join(r["gate_failures"][:3])
-    print(f"rebuild-check {stage_name}: {r['class']} (claim: {r['claim']}){detail}")
+    where = f" on an emulated {cpu} (its CPUID: {r['ran_as']})" if cpu else ""
+    print(f"rebuild-check {stage_name}{where}: {r['class']} (claim: {r['claim']}){detail}")
     if not r["meets_claim"]:
         print(f"kiln: gate failed: {stage_name} rebuilds as {r['class']}, below its claim {r['claim']}")
         return 1

@@ -57,6 +57,7 @@ def write_record(stage_name: str, root: Path, record: dict[str, Any]) -> Path:
     imported = sorted(p for m in list(sys.modules.values())
                       if (f := getattr(m, "__file__", None)) and (p := _repo_relative(f)))
     doc = {"stage": stage_name, "git": git_state(), **toolchain.host(), "host_class": toolchain.host_class(),
+           "cpuid_class": toolchain.cpuid_class(),
            "argv": sys.argv,
            "modules_imported": imported, **record}
     path = record_path(stage_name, root)

@@ -9,6 +9,7 @@ rebuild-check` (pipeline/rebuild.py) uses it for any stage and classifies what d
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline import paths
+from pipeline import paths, portable
 from pipeline.checkout import cli_env
 from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
@@ -27,9 +28,23 @@ if TYPE_CHECKING:
     from pipeline.stage import Stage
 
 
+def emulator(cpu: str) -> list[str]:
+    """The command prefix that runs a process on an emulated x86-64 CPU model (qemu-user: that CPU's CPUID, so
+    every library picks the kernels it would pick there), e.g. `EPYC-Rome` (a Zen 2: AVX2, no AVX-512)."""
+    qemu = shutil.which("qemu-x86_64")
+    if qemu is None:
+        raise KilnError("qemu-x86_64 not found: emulating another CPU needs qemu-user",
+                        "apt-get install qemu-user (scripts/setup.sh --test installs it)")
+    r = subprocess.run([qemu, "-cpu", "help"], capture_output=True, text=True)
+    if not re.search(rf"^x86\s+{re.escape(cpu)}\s", r.stdout, re.M):
+        raise KilnError(f"{cpu!r}: not a CPU model qemu-x86_64 knows", "list them: qemu-x86_64 -cpu help")
+    return [qemu, "-cpu", cpu]
+
+
 def rebuild(spec: Stage, cfg, key: str | None, root: Path = Path("."),
-            args: tuple[str, ...] = ()) -> tempfile.TemporaryDirectory:
-    """Run `spec`'s command for `key` in a fresh scratch root; return it (the caller cleans it up)."""
+            args: tuple[str, ...] = (), prefix: tuple[str, ...] | list[str] = ()) -> tempfile.TemporaryDirectory:
+    """Run `spec`'s command for `key` in a fresh scratch root (under `prefix`: e.g. an emulator); return it (the
+    caller cleans it up)."""
     root = Path(root).resolve()
     tmp = tempfile.TemporaryDirectory(prefix=f"kiln-rebuild-{spec.group}-")
     scratch = Path(tmp.name)
@@ -47,8 +62,11 @@ def rebuild(spec: Stage, cfg, key: str | None, root: Path = Path("."),
                                 f"build it first: dvc repro {address(spec.name(key))}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             os.symlink(src, dst)
-        cmd = [sys.executable, "-m", spec.module, "--params", "params.yaml", *args, *([key] if key else [])]
-        r = subprocess.run(cmd, cwd=scratch, env=cli_env(), capture_output=True, text=True)
+        cmd = [*prefix, sys.executable, "-m", spec.module, "--params", "params.yaml", *args, *([key] if key else [])]
+        env = cli_env()
+        if spec.portable:    # set from the start: a relaunch (portable.pin) would leave an emulator's process
+            env.update(portable.ENV)
+        r = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["?"])
             raise KilnError(f"{spec.name(key)}: the rebuild in a fresh process failed: {last[-1][:300]}",

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from pipeline import portable
 from pipeline.closure import closure, code_digests, distributions
 from pipeline.dvcfiles import dvcfile
 from pipeline.errors import GateFailed, KilnError, Terminated, handle_sigterm
@@ -68,6 +69,7 @@ class Stage:
     dynamic: PerKey = _none                     # modules loaded by name: a model's factory, a target's module
     always_changed: bool = False
     help: str = ""                              # the line `kiln --help` shows for it (empty: desc)
+    portable: bool = False                      # its outputs are every host's: computed on portable float kernels
 
     @property
     def dvcfile(self) -> str:
@@ -102,6 +104,8 @@ class Stage:
         chain = {**versions(*self.packages()), **(toolchain or {})}
         for target in self.targets(cfg, key):
             chain[f"target.{target}"] = read_fingerprint(target, root)["rebuild_on"]
+        if self.portable:
+            chain["float_kernels"] = portable.kernels()
         return {"code": code_digests(self.code(cfg, key)), "params": self.param_values(cfg, key),
                 "toolchain": chain}
 
@@ -177,6 +181,8 @@ def main(stage: Stage, body: Callable[[argparse.Namespace, Run], int], argv: lis
     def go() -> int:
         from pipeline import config, paths
 
+        if stage.portable:
+            portable.pin(stage.module)
         args.cfg = config.load(args.params)
         key = getattr(args, "key", None)
         if key is not None:

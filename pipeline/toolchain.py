@@ -75,6 +75,18 @@ def host_class(facts: dict[str, object] | None = None) -> str:
     return (re.sub(r"[^a-z0-9]+", "-", machine).strip("-") or "unknown") + "-generic"
 
 
+def cpuid_class() -> str:
+    """The host class this process's CPUID gives, from NumPy's own detection. Under an emulator (`kiln
+    rebuild-check --cpu`) it is the emulated CPU's, while /proc/cpuinfo (`host_class`) still shows the real one."""
+    import platform
+
+    from numpy._core._multiarray_umath import __cpu_features__ as found
+
+    flags = {"AVX512VNNI": "avx512_vnni", "AVX512F": "avx512f", "AVX2": "avx2", "SSE42": "sse4_2", "SVE": "sve",
+             "ASIMD": "asimd"}
+    return host_class({"machine": platform.machine(), "isa": [f for k, f in flags.items() if found.get(k)]})
+
+
 def version(package: str) -> str:
     """An installed distribution's version, read from its metadata (no import), or "absent"."""
     from importlib import metadata       # ~30 ms: not on an engine's cold-start path, which never asks

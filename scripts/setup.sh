@@ -53,12 +53,14 @@ if printf '%s\n' "${PROFILES[@]}" | grep -qx edge; then
 fi
 pipi --no-deps --no-build-isolation -e .
 # Debian packages the tests use, installed here if missing: chromium (the HTML report is rendered in it),
-# postgresql (the shared-registry test runs scripts/registry-server.sh), openssh-server (scripts/remote-server.sh).
+# postgresql (the shared-registry test runs scripts/registry-server.sh), openssh-server (scripts/remote-server.sh),
+# qemu-user (`kiln rebuild-check --cpu`: the portable stages rebuilt on an emulated CPU of another ISA class).
 if [ "$TEST" = 1 ]; then
   DEBS=()
   command -v chromium >/dev/null || DEBS+=(chromium)
   compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || DEBS+=(postgresql)
   [ -x /usr/sbin/sshd ] || DEBS+=(openssh-server)
+  command -v qemu-x86_64 >/dev/null || DEBS+=(qemu-user)
   if [ ${#DEBS[@]} -gt 0 ]; then
     SUDO=(); [ "$(id -u)" = 0 ] || SUDO=(sudo -n)
     { "${SUDO[@]}" apt-get update -qq && DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq \

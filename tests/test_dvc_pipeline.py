@@ -20,19 +20,6 @@ import yaml
 from conftest import REPO, TOOLCHAIN, dag_env, dvc, kiln, ran, render_in_chromium
 from pipeline.dvcfiles import address, bare, read_locks
 
-# Lock entries a rebuild cannot reproduce, and why (docs/reproducibility.md: "A fresh clone at another path").
-# toolchain/dvc.lock is not compared at all: it is the host's fingerprint (its CPU flags, compiler), probed on
-# every run.
-NOT_REPRODUCIBLE = {
-    "toolchain": "the host's fingerprint: its CPU flags, compilers and packages",
-    "bench@": "timings of one run",
-    "sysbench@": "timings of one run under load (uncached)",
-    "match@": "the index choice follows measured latency; its verdict and curve hold timings",
-    "register-index@": "depends on the matching verdict's timings",
-    "leaderboard": "ranks engines by the bench's timings",
-}
-
-
 def stale(root: Path) -> set[str]:
     r = dvc(root, "status", "--json")
     assert r.returncode == 0, r.stderr
@@ -77,37 +64,26 @@ def test_repro_builds_then_reruns_nothing(repo):
 
 @pytest.mark.slow
 def test_a_fresh_clone_reproduces_the_committed_lock(repo):
-    """Same bytes at another path: every lock entry the copy built equals the committed one, except the declared
-    non-reproducible ones — and stages whose toolchain differs on this host (another CPU: other ISA keys)."""
+    """Same bytes at another path, on any CPU: every stage gets a class (pipeline/lockdiff.py). A stage with the
+    committed inputs gives the committed outputs; the portable stages (datasets, golden references, export,
+    program, calibration, quantization) have the committed inputs on every x86-64 CPU, so they are bit-identical
+    there too; only compile@ (the ISA is a target rebuild key) and what reads its engines may differ, each named."""
+    from pipeline import catalog
+    from pipeline.lockdiff import classify_all, render, target_keys
+
     committed, built = read_locks(REPO), read_locks(repo)
-
-    def target_keys(entry: dict) -> dict:        # a target's fingerprint file: this host's CPU and compilers
-        return {p: v for p, v in entry.get("params", {}).items()
-                if p.startswith("artifacts/toolchain/") and p != "artifacts/toolchain/python.yaml"}
-
-    def isa(lock: dict) -> list | None:         # the CPU's kernel-selecting flags, as the ort-cpu engines recorded
-        entry = lock.get("compile@embedder-ort-cpu-fp32", {})
-        return target_keys(entry).get("artifacts/toolchain/ort-cpu.yaml", {}).get("rebuild_on", {}).get("isa")
-
-    other_cpu = isa(built) != isa(committed)
-    if other_cpu:   # float kernels differ by ISA: only what is made without them can be the same bytes
-        print(f"\nthis CPU's ISA {isa(built)} differs from the committed build's {isa(committed)}: comparing only "
-              "the stages that compute no floats (assets)")
-    compared, host_differs, mismatched = [], [], []
-    for name, entry in built.items():
-        if name.startswith(tuple(NOT_REPRODUCIBLE)) or (other_cpu and name != "assets"):
-            continue
-        assert name in committed, f"{name}: not in the committed dvc.lock (commit the lock of this code)"
-        if target_keys(entry) != target_keys(committed[name]):
-            host_differs.append(name)
-            continue
-        compared.append(name)
-        if entry != committed[name]:
-            mismatched.append(name)
-    print(f"\nlock: {len(compared)} stages compared byte for byte, {len(host_differs)} skipped (built for another "
-          f"host's target fingerprint: {', '.join(host_differs) or 'none'})")
-    assert not mismatched, mismatched
-    assert len(compared) >= (1 if other_cpu else 30), compared
+    classes = classify_all(built, committed)
+    print("\nlock classes against the committed build:\n" + render(classes))
+    portable = {d.name for d in catalog.declared() if catalog.load(d).portable}
+    counts = {c: [n for n, (k, _) in classes.items() if k == c] for c in {k for k, _ in classes.values()}}
+    assert not counts.get("different") and not counts.get("not in the committed lock"), render(classes)
+    unportable = [n for n, (k, _) in classes.items() if n.split("@")[0] in portable and k != "bit-identical"]
+    assert not unportable, unportable
+    assert len([n for n in classes if n.split("@")[0] in portable]) >= 25
+    isa = lambda lock: target_keys(lock.get("compile@embedder-ort-cpu-fp32", {})).get(  # noqa: E731
+        "artifacts/toolchain/ort-cpu.yaml", {}).get("rebuild_on", {}).get("isa")
+    if isa(built) == isa(committed):     # the committed build's CPU class: engines and verdicts reproduce too
+        assert len(counts["bit-identical"]) >= 80, render(classes)
 
 
 @pytest.mark.slow
@@ -351,6 +327,55 @@ def test_rebuild_check_proves_reproducibility_in_a_fresh_process(repo, stage):
     r = kiln(repo, "rebuild-check", stage)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"rebuild-check {stage}: bit-identical" in r.stdout
+
+
+def other_isa_cpu() -> tuple[str, str]:
+    """A qemu CPU model of another ISA class than this host's, and the PyTorch capability it shows: a Zen 2 (AVX2)
+    on an AVX-512 host, a Nehalem (SSE4.2) on an AVX2 one."""
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return ("EPYC-Rome", "AVX2") if "avx512f" in flags else ("Nehalem-v2", "DEFAULT")
+
+
+@pytest.mark.slow
+def test_the_emulated_cpu_is_another_isa_class():
+    """What makes the next test mean something: under the emulator PyTorch dispatches on the other CPU's ISA."""
+    from pipeline.scratch import emulator
+
+    cpu, capability = other_isa_cpu()
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    native = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    emulated = subprocess.run([*emulator(cpu), sys.executable, "-c", probe], capture_output=True, text=True)
+    assert emulated.returncode == 0, emulated.stderr[-2000:]
+    assert emulated.stdout.strip() == capability != native.stdout.strip(), (native.stdout, emulated.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["dataset@golden", "golden@embedder", "program@aligner", "calibrate@pnet",
+                                   "quantize@embedder-ort"])
+def test_portable_stages_rebuild_bit_identical_on_another_isa(repo, stage):
+    """The portable stages on an emulated CPU of another ISA class (qemu-user: its CPUID, so every library picks
+    that CPU's kernels) give this host's bytes, manifests included."""
+    cpu, _ = other_isa_cpu()
+    r = kiln(repo, "rebuild-check", "--cpu", cpu, stage)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"rebuild-check {stage} on an emulated {cpu}: bit-identical" in r.stdout, r.stdout
+
+
+@pytest.mark.slow
+def test_portable_stages_record_their_kernels(repo):
+    """Every portable stage of the DAG ran on the portable kernels (its manifest says so; a library run says
+    `host: …` instead)."""
+    from pipeline import catalog
+    from pipeline.portable import PORTABLE
+
+    portable = {d.name for d in catalog.declared() if catalog.load(d).portable}
+    seen = 0
+    for m in (repo / "artifacts").rglob("*.manifest.json"):
+        doc = json.loads(m.read_text())
+        if doc.get("kind") in {"dataset", "golden", "onnx", "program", "calibration"}:
+            assert doc["toolchain"].get("float_kernels") == PORTABLE, (m, doc["toolchain"].get("float_kernels"))
+            seen += 1
+    assert seen >= 25 and portable == {"dataset", "golden", "export", "import", "program", "calibrate", "quantize"}
 
 
 @pytest.mark.slow

@@ -105,6 +105,9 @@ def test_missing_params_file(project):
     (["gallery", "12345"], "no '12345'"),
     (["verify", "no/such/dir"], "no *.manifest.json"),
     (["rebuild-check", "nope@x"], "no stage group 'nope'"),
+    (["rebuild-check", "--cpu", "EPYC-Rome", "compile@" + ENGINE], "not a portable stage"),
+    (["rebuild-check", "--cpu", "Pentium-9000", "golden@embedder"], "not a CPU model qemu-x86_64 knows"),
+    (["lock-classes", "--against", "no-such-rev"], "no-such-rev"),
     (["promote", ENGINE, "one"], "version must be a number"),
 ])
 def test_unknown_things_are_named(project, args, needle):

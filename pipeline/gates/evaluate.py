@@ -17,11 +17,18 @@ from pipeline.roles import registry as roles
 
 class OnnxRunner:
     """An ONNX file on ONNX Runtime's CPU kernels, with the runner interface `evaluate_model` calls: how a candidate
-    model that is not an engine yet (a calibration, a float set) is judged, as the ort-cpu engine would run it."""
+    model that is not an engine yet (a calibration, a float set) is judged, as the ort-cpu engine would run it —
+    or, `portable`, on the session the portable stages use (pipeline/portable.py: QDQ as float arithmetic, the same
+    numbers on every x86-64 CPU)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, portable: bool = False) -> None:
         import onnxruntime as ort
 
+        if portable:
+            from pipeline.portable import ort_session
+
+            self.session = ort_session(path)
+            return
         so = ort.SessionOptions()
         so.log_severity_level = 3
         self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

@@ -31,8 +31,9 @@ def check_graph(path: Path) -> tuple[dict[str, int], dict[str, list]]:
 
 
 def parity(onnx_path: Path, feeds, reference: list[list[np.ndarray]]) -> dict[str, float]:
-    """ONNX Runtime (CPU) vs the PyTorch reference on every feed and output."""
-    import onnxruntime as ort
+    """ONNX Runtime (CPU, the portable session: the same numbers on every x86-64 CPU) vs the PyTorch reference on
+    every feed and output."""
+    from pipeline.portable import ort_session
 
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    sess = ort_session(onnx_path)
     return compare(lambda feed: sess.run(None, feed), feeds, reference)

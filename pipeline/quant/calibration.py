@@ -270,13 +270,13 @@ def compute_ranges(model_path: Path, chips, ccfg: CalibrateConfig,
                    progress: Callable[[str], None] = print, label: str = "calibrate") -> tuple[dict, dict]:
     """Stream `chips` (uint8 chips or a sequence of feeds) through `model_path` (pre-processed)
     → ({"candidates": {method: ranges}, "minmax": ranges, "samples": n}, timings)."""
-    import onnxruntime as ort
+    from pipeline.portable import ort_session
 
     model = onnx.load(str(model_path))
     tensors = calibration_tensors(model)
     if not tensors:
         raise KilnError(f"{model_path}: no quantizable float tensors found", "is this a float ONNX model?")
-    sess = ort.InferenceSession(augment(model, tensors).SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort_session(augment(model, tensors).SerializeToString())     # the same ranges on every x86-64 CPU
     del model
 
     def run_batch(feed: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -1,7 +1,12 @@
 """Choosing a calibration by the face-task gate: each candidate method's ranges quantize the graph with recipe
-`calibrate.select_recipe` (the quantize stage's own code), the INT8 model runs on ONNX Runtime's CPU kernels through
-the model's gate (validate@'s own metrics and limits), and the best one is kept — passing before failing, then the
-gate's key metric (its role's key_metric), then the order of `calibrate.candidates`.
+`calibrate.select_recipe` (the quantize stage's own code), the QDQ model runs through the model's gate (validate@'s
+own metrics and limits), and the best one is kept — passing before failing, then the gate's key metric (its role's
+key_metric), then the order of `calibrate.candidates`.
+
+The QDQ model is judged as its quantize/dequantize arithmetic in float (pipeline/portable.py `ort_session`), not on
+this host's int8 kernels: the ranges are shared by every host and every target, so the choice must not depend on
+the CPU that made it (int8 kernels round differently with and without VNNI). Each INT8 engine is still gated on its
+own host's kernels by validate@.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def judge(cfg, model_name: str, pre: Path, candidates: dict[str, dict], minmax: 
         for method, ranges in candidates.items():
             dest = Path(tmp) / f"{method}.onnx"
             quantize_graph(pre, ranges, recipe, dest)
-            metrics, failures, _, _ = evaluate_model(cfg, model_name, OnnxRunner(dest), root)
+            metrics, failures, _, _ = evaluate_model(cfg, model_name, OnnxRunner(dest, portable=True), root)
             dest.unlink()
             trial = Trial(method, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()
                                    if isinstance(v, (int, float))}, failures, differs(ranges, minmax))

@@ -11,7 +11,8 @@ give every candidate of `calibrate.candidates` — minmax, percentile-<p>, entro
 same counts (pipeline/quant/calibration.py holds the maths and why).
 
 The choice is data, not habit: each candidate's ranges quantize the graph with recipe `calibrate.select_recipe`
-(the quantize stage's own code), the INT8 model runs on ONNX Runtime's CPU kernels through the model's face-task
+(the quantize stage's own code), the QDQ model runs as float arithmetic on ONNX Runtime (pipeline/portable.py: the
+same choice on every CPU; each engine's own int8 kernels are gated by validate@) through the model's face-task
 gate (validate@'s own metrics and limits: the embedder's golden cosine / identities / decisions, the detector
 cascade for an MTCNN net), and the best one is kept — passing before failing, then the gate's key metric
 (the role's key metric, pipeline/roles/), then the order of `candidates` (pipeline/quant/selection.py). ranges.json
@@ -49,6 +50,7 @@ STAGE = stage.Stage(
                              f"models.{key}", *samples.params(cfg, key)],
     dynamic=lambda cfg, key: roles.modules(cfg.model(key).samples, gate=True),
     outs=lambda cfg, key: [stage.Out(paths.calibration(key).as_posix())],
+    portable=True,
     help="stream the calibration set through the ONNX and store activation ranges")
 
 
@@ -109,7 +111,8 @@ def run(cfg, model_name: str, root: Path = Path("."), progress: Callable[[str], 
                                  "candidates": {t.method: {"passed": t.passed, metric: t.metrics.get(metric)}
                                                 for t in trials}}}
         build = {"candidates": list(ccfg.candidates), "select_recipe": ccfg.select_recipe, "preprocess": PREPROCESS,
-                 "op_types": quantizable_op_types(), "batch": ccfg.batch, "judged_on": "onnxruntime CPU"}
+                 "op_types": quantizable_op_types(), "batch": ccfg.batch,
+                 "judged_on": "onnxruntime CPU, basic graph optimizations (QDQ as float arithmetic)"}
         if any(m != "minmax" for m in ccfg.candidates):
             build.update(bins=ccfg.bins, histogram="abs")
         if "entropy" in ccfg.candidates:

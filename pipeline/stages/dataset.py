@@ -36,6 +36,7 @@ STAGE = stage.Stage(
     deps=lambda cfg, key: samples.deps(cfg, None, key),
     params=_params,
     outs=lambda cfg, key: [stage.Out(paths.data_set(key).as_posix())],
+    portable=True,
     help="build an aligned, augmented, hashed image set (golden or calibration)")
 
 

@@ -29,6 +29,7 @@ STAGE = stage.Stage(
     params=lambda cfg, key: [f"models.{key}", "export", *samples.params(cfg, key)],
     dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key)), *roles.modules(cfg.model(key).samples)],
     outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())],
+    portable=True,
     help="export a model to ONNX, check it and prove parity with the golden outputs")
 
 

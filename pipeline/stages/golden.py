@@ -29,6 +29,7 @@ STAGE = stage.Stage(
     params=lambda cfg, key: [f"models.{key}", *samples.params(cfg, key)],
     dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key)), *roles.modules(cfg.model(key).samples)],
     outs=lambda cfg, key: [stage.Out(paths.golden(key).as_posix())],
+    portable=True,
     help="compute a model's FP32 PyTorch reference outputs on its golden inputs")
 
 

@@ -38,6 +38,7 @@ STAGE = stage.Stage(
     params=lambda cfg, key: [f"models.{key}", "export.parity", *samples.params(cfg, key)],
     dynamic=lambda cfg, key: roles.modules(cfg.model(key).samples),
     outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())],
+    portable=True,
     help="import a model delivered as ONNX: check its pins, make it runnable, prove parity with its golden outputs")
 
 

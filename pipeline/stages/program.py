@@ -41,6 +41,7 @@ STAGE = stage.Stage(
     params=lambda cfg, key: [f"models.{key}", "export.parity", *samples.params(cfg, key)],
     dynamic=lambda cfg, key: [*models.factory_modules(cfg.model(key)), *roles.modules(cfg.model(key).samples)],
     outs=lambda cfg, key: [stage.Out(paths.program(key).as_posix())],
+    portable=True,
     help="save a model's torch.export program (.pt2), parity-checked; the source of aoti-cpu")
 
 

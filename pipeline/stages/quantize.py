@@ -45,6 +45,7 @@ STAGE = stage.Stage(
     params=lambda cfg, key: [f"quantize.recipes.{pairs(cfg)[key][1]}", *samples.params(cfg, pairs(cfg)[key][0])],
     dynamic=lambda cfg, key: roles.modules(cfg.model(pairs(cfg)[key][0]).samples),
     outs=lambda cfg, key: [stage.Out(paths.quantized(*pairs(cfg)[key]).as_posix())],
+    portable=True,
     help="INT8 QDQ ONNX of <model>-<recipe> from the export and its calibration ranges")
 
 

@@ -1,0 +1,121 @@
+"""A rebuild's dvc.lock against the committed one, stage by stage: the class of every stage, on any CPU.
+
+The rule is the same on every host: a stage whose inputs (data and code deps, params, target fingerprint) are the
+committed ones must give the committed outputs — `bit-identical`, or `different`, which is a reproducibility bug.
+A stage can have other inputs for one of two reasons, each named:
+
+* `host-bound` — it tracks a compiler target's fingerprint and this CPU's differs (the ISA flags are ort-cpu and
+  aoti-cpu rebuild keys: another CPU compiles other engines, by design);
+* `follows its inputs` — an input it reads differs (downstream of a host-bound stage: validations, registrations).
+
+The portable stages (`Stage.portable`: datasets, golden references, export and import, program, calibration,
+quantization) compute on the same kernels on every x86-64 CPU (pipeline/portable.py), so their inputs never depend
+on the host: on another CPU they must still be bit-identical. Stages made of timings are `not reproducible` and say why.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from pipeline.dvcfiles import dvc_files, read_locks
+from pipeline.errors import KilnError
+
+# Lock entries a rebuild cannot reproduce, and why (docs/reproducibility.md: "A fresh clone at another path").
+# toolchain/dvc.lock is not compared at all: it is the host's fingerprint (its CPU flags, compiler), probed on
+# every run.
+NOT_REPRODUCIBLE = {
+    "toolchain": "the host's fingerprint: its CPU flags, compilers and packages",
+    "bench@": "timings of one run",
+    "sysbench@": "timings of one run under load (uncached)",
+    "match@": "the index choice follows measured latency; its verdict and curve hold timings",
+    "register-index@": "depends on the matching verdict's timings",
+    "leaderboard": "ranks engines by the bench's timings",
+}
+CLASSES = ("bit-identical", "host-bound", "follows its inputs", "not reproducible", "different",
+           "not in the committed lock")
+FINGERPRINTS = "artifacts/toolchain/"
+PYTHON = "artifacts/toolchain/python.yaml"
+
+
+def target_keys(entry: dict) -> dict:
+    """A stage's target fingerprints (this host's CPU and compilers), from its params section."""
+    return {p: v for p, v in entry.get("params", {}).items() if p.startswith(FINGERPRINTS) and p != PYTHON}
+
+
+def _deps(entry: dict) -> dict[str, str | None]:
+    return {d["path"]: d.get("md5") for d in entry.get("deps", [])}
+
+
+def classify(name: str, built: dict, committed: dict | None) -> tuple[str, str]:
+    """(class, why) of one stage's built lock entry against the committed entry (None: not committed)."""
+    reason = next((why for prefix, why in NOT_REPRODUCIBLE.items() if name.startswith(prefix)), None)
+    if reason is not None:
+        return "not reproducible", reason
+    if committed is None:
+        return "not in the committed lock", "commit the lock of this code (kiln dag --write && dvc repro)"
+    if built == committed:
+        return "bit-identical", ""
+    keys, was = target_keys(built), target_keys(committed)
+    if keys != was:
+        changed = sorted(p.removeprefix(FINGERPRINTS) for p in set(keys) | set(was) if keys.get(p) != was.get(p))
+        return "host-bound", f"built for this host's {', '.join(changed)} fingerprint"
+    deps, before = _deps(built), _deps(committed)
+    other = sorted(p for p in set(deps) | set(before) if deps.get(p) != before.get(p))
+    if other or built.get("params", {}) != committed.get("params", {}) or built.get("cmd") != committed.get("cmd"):
+        what = other[0] if other else "its params or command"
+        more = f" (+{len(other) - 1} more)" if len(other) > 1 else ""
+        return "follows its inputs", f"{what}{more} differs"
+    outs = sorted(o["path"] for o in built.get("outs", []) if o not in committed.get("outs", []))
+    return "different", f"same inputs, other outputs: {', '.join(outs) or 'its outputs'}"
+
+
+def classify_all(built: dict[str, dict], committed: dict[str, dict]) -> dict[str, tuple[str, str]]:
+    """Every built stage's (class, why), by stage name."""
+    return {name: classify(name, entry, committed.get(name)) for name, entry in sorted(built.items())}
+
+
+def render(classes: dict[str, tuple[str, str]]) -> str:
+    """One line per class (its count), then one line per stage that is not bit-identical."""
+    lines = []
+    for c in CLASSES:
+        n = sum(1 for k, _ in classes.values() if k == c)
+        if n:
+            lines.append(f"{c}: {n}")
+    lines += [f"  {name}: {c}{' — ' + why if why else ''}" for name, (c, why) in classes.items()
+              if c != "bit-identical"]
+    return "\n".join(lines)
+
+
+def committed_locks(rev: str, root: Path = Path(".")) -> dict[str, dict]:
+    """Every stage's lock entry as commit `rev` has it (the project's dvc.lock files read from git)."""
+    import yaml
+
+    out: dict[str, dict] = {}
+    for f in dvc_files(root):
+        rel = f.with_name("dvc.lock").relative_to(root).as_posix()
+        r = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, text=True)
+        if r.returncode == 0:
+            out.update((yaml.safe_load(r.stdout) or {}).get("stages", {}))
+        elif "exists on disk, but not in" not in r.stderr and "does not exist in" not in r.stderr:
+            raise KilnError(f"git show {rev}:{rel}: {r.stderr.strip()[:200]}", "pass a commit of this repository")
+    return out
+
+
+def main(rev: str = "HEAD", root: Path = Path(".")) -> int:
+    """`kiln lock-classes`: this workspace's dvc.lock files (after `dvc repro`) against commit `rev`'s; exit 1 when
+    a stage with the committed inputs gave other outputs, or a portable stage is not bit-identical."""
+    from pipeline import catalog
+
+    committed = committed_locks(rev, root)
+    if not committed:
+        raise KilnError(f"{rev}: no dvc.lock committed there", "pass the commit whose build you reproduce")
+    classes = classify_all(read_locks(root), committed)
+    print(f"lock classes against {rev}:\n{render(classes)}")
+    portable = {d.name for d in catalog.declared() if catalog.load(d).portable}
+    bad = [n for n, (c, _) in classes.items()
+           if c in ("different", "not in the committed lock") or (n.split("@")[0] in portable and c != CLASSES[0])]
+    if bad:
+        print(f"kiln: gate failed: {len(bad)} stage(s) not reproduced: {', '.join(bad[:8])}")
+        return 1
+    return 0

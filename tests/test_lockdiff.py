@@ -1,0 +1,51 @@
+"""The lock classes (pipeline/lockdiff.py) on hand-made lock entries, and the portable kernels' edge: a library
+user of a portable stage keeps the host's kernels and its manifest says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import REPO
+from pipeline.lockdiff import classify, classify_all, render
+
+FP = "artifacts/toolchain/ort-cpu.yaml"
+
+
+def entry(dep="a1", out="o1", isa=("avx2",), cmd="python -m pipeline.stages.compile e") -> dict:
+    return {"cmd": cmd, "deps": [{"path": "artifacts/export/e", "md5": dep}, {"path": "pipeline/x.py", "md5": "c"}],
+            "params": {"params.yaml": {"engines.e": {"target": "ort-cpu"}},
+                       FP: {"rebuild_on": {"isa": list(isa)}}},
+            "outs": [{"path": "artifacts/engines/e", "md5": out}]}
+
+
+def test_each_class_from_hand_made_entries():
+    base = entry()
+    assert classify("compile@e", entry(), base) == ("bit-identical", "")
+    assert classify("compile@e", entry(isa=("avx512f",), out="o2"), base) == \
+        ("host-bound", "built for this host's ort-cpu.yaml fingerprint")
+    assert classify("validate@e", entry(dep="a2", out="o2"), base) == \
+        ("follows its inputs", "artifacts/export/e differs")
+    assert classify("validate@e", entry(cmd="python -m other"), base)[0] == "follows its inputs"
+    assert classify("compile@e", entry(out="o2"), base) == \
+        ("different", "same inputs, other outputs: artifacts/engines/e")
+    assert classify("bench@embedder", entry(out="o2"), base) == ("not reproducible", "timings of one run")
+    assert classify("compile@new", entry(), None)[0] == "not in the committed lock"
+
+
+def test_render_counts_every_class_and_names_each_exception():
+    classes = classify_all({"a": entry(), "b": entry(out="o2"), "bench@m": entry()},
+                           {"a": entry(), "b": entry(), "bench@m": entry()})
+    text = render(classes)
+    assert text.splitlines()[:3] == ["bit-identical: 1", "not reproducible: 1", "different: 1"], text
+    assert "  b: different — same inputs, other outputs: artifacts/engines/e" in text and "  a:" not in text
+
+
+def test_a_library_user_keeps_the_host_kernels_and_is_told_so():
+    """pin() relaunches only the stage's own program; imported by another program (pytest, a notebook) it leaves
+    the process alone, and kernels() names the host's capability instead of claiming portability."""
+    probe = ("import os; from pipeline import portable; portable.pin('pipeline.stages.golden'); "
+             "print(os.environ.get('ATEN_CPU_CAPABILITY'), portable.kernels().split(':')[0])")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["None", "host"], r.stdout
