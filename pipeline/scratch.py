@@ -55,7 +55,11 @@ def rebuild(spec: Stage, cfg, key: str | None, root: Path = Path("."),
             if (root / rel).is_file():
                 (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(root / rel, scratch / rel)
-        for dep in spec.deps(cfg, key):
+        linked: list[Path] = []      # a dep may be listed twice, or lie inside a folder that is one: link each once
+        for dep in sorted(set(spec.deps(cfg, key)), key=lambda d: len(Path(d).parts)):
+            if any(Path(dep).is_relative_to(d) for d in linked):
+                continue
+            linked.append(Path(dep))
             src, dst = root / dep, scratch / dep
             if not src.exists():
                 raise KilnError(f"{src}: input of {spec.name(key)} missing",
