@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -572,7 +573,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return (dag.main if command == "dag" else dag.deps_main)(forward + rest)
     args = build_parser(stages).parse_args(argv)
-    return report_errors(lambda: args.func(args))
+    try:
+        return report_errors(lambda: args.func(args))
+    except BrokenPipeError:      # `kiln … | head`: the reader left; stop quietly, as other Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

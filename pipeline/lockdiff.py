@@ -8,6 +8,11 @@ A stage can have other inputs for one of two reasons, each named:
   aoti-cpu rebuild keys: another CPU compiles other engines, by design);
 * `follows its inputs` — an input it reads differs (downstream of a host-bound stage: validations, registrations).
 
+A stage with the committed inputs but other outputs is `different` — unless this CPU is of another ISA class than
+the committed build's and the stage is not portable: it computes on the host's float kernels on purpose or by
+nature (debug-precision@ measures this CPU's int8 kernels; gallery@ and the FAISS index follow NumPy's and FAISS's
+SIMD width), so it is `host kernels`, named.
+
 The portable stages (`Stage.portable`: datasets, golden references, export and import, program, calibration,
 quantization) compute on the same kernels on every x86-64 CPU (pipeline/portable.py), so their inputs never depend
 on the host: on another CPU they must still be bit-identical. Stages made of timings are `not reproducible` and say why.
@@ -32,7 +37,7 @@ NOT_REPRODUCIBLE = {
     "register-index@": "depends on the matching verdict's timings",
     "leaderboard": "ranks engines by the bench's timings",
 }
-CLASSES = ("bit-identical", "host-bound", "follows its inputs", "not reproducible", "different",
+CLASSES = ("bit-identical", "host-bound", "follows its inputs", "host kernels", "not reproducible", "different",
            "not in the committed lock")
 FINGERPRINTS = "artifacts/toolchain/"
 PYTHON = "artifacts/toolchain/python.yaml"
@@ -47,8 +52,25 @@ def _deps(entry: dict) -> dict[str, str | None]:
     return {d["path"]: d.get("md5") for d in entry.get("deps", [])}
 
 
-def classify(name: str, built: dict, committed: dict | None) -> tuple[str, str]:
-    """(class, why) of one stage's built lock entry against the committed entry (None: not committed)."""
+def isa(lock: dict[str, dict]) -> list | None:
+    """The CPU's kernel-selecting ISA flags, as the first target fingerprint that keys on them recorded."""
+    for entry in lock.values():
+        for fingerprint in target_keys(entry).values():
+            if isinstance(fingerprint, dict) and "isa" in fingerprint.get("rebuild_on", {}):
+                return fingerprint["rebuild_on"]["isa"]
+    return None
+
+
+def portable_groups() -> set[str]:
+    from pipeline import catalog
+
+    return {d.name for d in catalog.declared() if catalog.load(d).portable}
+
+
+def classify(name: str, built: dict, committed: dict | None, other_isa: bool = False,
+             portable: frozenset[str] | set[str] = frozenset()) -> tuple[str, str]:
+    """(class, why) of one stage's built lock entry against the committed entry (None: not committed); `other_isa`:
+    this build's CPU is of another ISA class than the committed build's; `portable`: the portable stage groups."""
     reason = next((why for prefix, why in NOT_REPRODUCIBLE.items() if name.startswith(prefix)), None)
     if reason is not None:
         return "not reproducible", reason
@@ -67,12 +89,18 @@ def classify(name: str, built: dict, committed: dict | None) -> tuple[str, str]:
         more = f" (+{len(other) - 1} more)" if len(other) > 1 else ""
         return "follows its inputs", f"{what}{more} differs"
     outs = sorted(o["path"] for o in built.get("outs", []) if o not in committed.get("outs", []))
+    if other_isa and name.split("@")[0] not in portable:
+        return "host kernels", f"not portable: computed on this CPU's float kernels ({', '.join(outs) or 'outputs'})"
     return "different", f"same inputs, other outputs: {', '.join(outs) or 'its outputs'}"
 
 
-def classify_all(built: dict[str, dict], committed: dict[str, dict]) -> dict[str, tuple[str, str]]:
+def classify_all(built: dict[str, dict], committed: dict[str, dict],
+                 portable: set[str] | None = None) -> dict[str, tuple[str, str]]:
     """Every built stage's (class, why), by stage name."""
-    return {name: classify(name, entry, committed.get(name)) for name, entry in sorted(built.items())}
+    other_isa = isa(built) != isa(committed)
+    portable = portable_groups() if portable is None else portable
+    return {name: classify(name, entry, committed.get(name), other_isa, portable)
+            for name, entry in sorted(built.items())}
 
 
 def render(classes: dict[str, tuple[str, str]]) -> str:
@@ -105,14 +133,13 @@ def committed_locks(rev: str, root: Path = Path(".")) -> dict[str, dict]:
 def main(rev: str = "HEAD", root: Path = Path(".")) -> int:
     """`kiln lock-classes`: this workspace's dvc.lock files (after `dvc repro`) against commit `rev`'s; exit 1 when
     a stage with the committed inputs gave other outputs, or a portable stage is not bit-identical."""
-    from pipeline import catalog
-
     committed = committed_locks(rev, root)
     if not committed:
         raise KilnError(f"{rev}: no dvc.lock committed there", "pass the commit whose build you reproduce")
-    classes = classify_all(read_locks(root), committed)
-    print(f"lock classes against {rev}:\n{render(classes)}")
-    portable = {d.name for d in catalog.declared() if catalog.load(d).portable}
+    built, portable = read_locks(root), portable_groups()
+    classes = classify_all(built, committed, portable)
+    where = f"this CPU's ISA {isa(built)}, the committed build's {isa(committed)}"
+    print(f"lock classes against {rev} ({where}):\n{render(classes)}")
     bad = [n for n, (c, _) in classes.items()
            if c in ("different", "not in the committed lock") or (n.split("@")[0] in portable and c != CLASSES[0])]
     if bad:

@@ -66,7 +66,7 @@ def engine_max_abs(cfg, engine: str, a: Path, b: Path, root: Path) -> float:
 
 
 def classify(cfg, stage_name: str, root: Path = Path("."), cpu: str | None = None) -> dict:
-    """Rebuild `stage_name` in a scratch project — on an emulated CPU model when `cpu` is given — and classify it."""
+    """Rebuild `stage_name` in a scratch project (on an emulated CPU model when `cpu` is given); classify it."""
     group, _, key = stage_name.partition("@")
     if group in NOT_BUILDS:
         raise KilnError(f"{stage_name}: not a build (a probe, timings or a registry write); nothing to rebuild",

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import REPO
-from pipeline.lockdiff import classify, classify_all, render
+from pipeline.lockdiff import classify, classify_all, isa, render
 
 FP = "artifacts/toolchain/ort-cpu.yaml"
 
@@ -33,9 +33,22 @@ def test_each_class_from_hand_made_entries():
     assert classify("compile@new", entry(), None)[0] == "not in the committed lock"
 
 
+def test_on_another_isa_only_a_portable_stage_must_still_match():
+    """Same inputs, other outputs: a bug on the committed build's ISA class; on another class a stage that computes on
+    the host's float kernels (not portable) is `host kernels`, while a portable one stays `different`."""
+    other = entry(out="o2")
+    assert classify("gallery@10000", other, entry(), other_isa=True, portable={"golden"})[0] == "host kernels"
+    assert classify("golden@pnet", other, entry(), other_isa=True, portable={"golden"})[0] == "different"
+    assert classify("gallery@10000", other, entry(), other_isa=False, portable={"golden"})[0] == "different"
+    built, was = {"compile@e": entry(isa=("avx2",))}, {"compile@e": entry(isa=("avx512f",))}
+    assert isa(built) == ["avx2"] and isa(was) == ["avx512f"] and isa({}) is None
+    assert classify_all({**built, "gallery@1": other}, {**was, "gallery@1": entry()}, portable=set())[
+        "gallery@1"][0] == "host kernels"
+
+
 def test_render_counts_every_class_and_names_each_exception():
     classes = classify_all({"a": entry(), "b": entry(out="o2"), "bench@m": entry()},
-                           {"a": entry(), "b": entry(), "bench@m": entry()})
+                           {"a": entry(), "b": entry(), "bench@m": entry()}, portable=set())
     text = render(classes)
     assert text.splitlines()[:3] == ["bit-identical: 1", "not reproducible: 1", "different: 1"], text
     assert "  b: different — same inputs, other outputs: artifacts/engines/e" in text and "  a:" not in text
