@@ -327,11 +327,11 @@ def test_rebuild_check_proves_reproducibility_in_a_fresh_process(repo, stage):
     assert f"rebuild-check {stage}: bit-identical" in r.stdout
 
 
-def other_isa_cpu() -> tuple[str, str]:
-    """A qemu CPU model of another ISA class than this host's, and the PyTorch capability it shows: a Zen 2 (AVX2)
-    on an AVX-512 host, a Nehalem (SSE4.2) on an AVX2 one."""
+def other_isa_cpu() -> tuple[str, str, str]:
+    """A qemu CPU model of another ISA class than this host's, the PyTorch capability and the host class its CPUID
+    shows: a Zen 2 (AVX2) on an AVX-512 host, a Nehalem (SSE4.2) on an AVX2 one."""
     flags = Path("/proc/cpuinfo").read_text().split()
-    return ("EPYC-Rome", "AVX2") if "avx512f" in flags else ("Nehalem-v2", "DEFAULT")
+    return ("EPYC-Rome", "AVX2", "x86-64-avx2") if "avx512f" in flags else ("Nehalem-v2", "DEFAULT", "x86-64-sse4")
 
 
 @pytest.mark.slow
@@ -339,7 +339,7 @@ def test_the_emulated_cpu_is_another_isa_class():
     """What makes the next test mean something: under the emulator PyTorch dispatches on the other CPU's ISA."""
     from pipeline.scratch import emulator
 
-    cpu, capability = other_isa_cpu()
+    cpu, capability, _ = other_isa_cpu()
     probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
     native = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     emulated = subprocess.run([*emulator(cpu), sys.executable, "-c", probe], capture_output=True, text=True)
@@ -354,10 +354,10 @@ def test_portable_stages_rebuild_bit_identical_on_another_isa(repo, stage):
     that CPU's kernels) give this host's bytes, manifests included. One of each kind that emulates in under a
     minute (the reference MTCNN and the warp, a PyTorch reference, torch.export, an ONNX Runtime parity run);
     every portable stage, calibrations included (4–9 min each emulated), in docs/reproducibility.md."""
-    cpu, _ = other_isa_cpu()
+    cpu, _, host_class = other_isa_cpu()
     r = kiln(repo, "rebuild-check", "--cpu", cpu, stage)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"rebuild-check {stage} on an emulated {cpu}: bit-identical" in r.stdout, r.stdout
+    assert f"rebuild-check {stage} on an emulated {cpu} (its CPUID: {host_class}): bit-identical" in r.stdout, r.stdout
 
 
 @pytest.mark.slow
