@@ -149,7 +149,8 @@ def test_calibration_artifact_records_ranges_and_provenance(calibrated, built, c
 
 def test_the_calibration_is_chosen_by_the_face_task_gate_and_every_result_is_kept(calibrated, built, cfg):
     """Every candidate is judged and recorded; the chosen one is the rule's best; its numbers are the gate's own
-    numbers for the INT8 model quantize@ builds from it (the same ranges, the same recipe)."""
+    numbers for the INT8 model quantize@ builds from it (the same ranges, the same recipe), run as the judge runs
+    it: QDQ arithmetic in float, the same on every CPU (pipeline/portable.py)."""
     from pipeline.gates.evaluate import OnnxRunner, evaluate_model
     from pipeline.roles import registry as roles
 
@@ -165,7 +166,7 @@ def test_the_calibration_is_chosen_by_the_face_task_gate_and_every_result_is_kep
     assert sel["chosen"] in passing and values[sel["chosen"]] == max(values[m] for m in passing)
     assert len(set(values.values())) > 1                 # the candidates really differ on the gate
     q = quantize.run(cfg, "embedder", cfg.calibrate.select_recipe, built)
-    metrics, failures, _, _ = evaluate_model(cfg, "embedder", OnnxRunner(q.onnx_path), built)
+    metrics, failures, _, _ = evaluate_model(cfg, "embedder", OnnxRunner(q.onnx_path, portable=True), built)
     chosen = next(t for t in sel["trials"] if t["method"] == sel["chosen"])
     assert round(metrics[metric], 6) == chosen["metrics"][metric] and failures == chosen["failures"]
 
