@@ -76,9 +76,9 @@ def classify(cfg, stage_name: str, root: Path = Path("."), cpu: str | None = Non
     if (spec.keys is None) != (key is None) or (key is not None and key not in spec.keys(cfg)):
         raise KilnError(f"no stage {stage_name!r}", "see dvc.yaml for the stage names")
     if cpu and not spec.portable:
-        from pipeline import catalog
+        from pipeline.lockdiff import portable_groups
 
-        portable = ", ".join(d.name for d in catalog.declared() if catalog.load(d).portable)
+        portable = ", ".join(sorted(portable_groups()))
         raise KilnError(f"{stage_name}: not a portable stage; what it builds follows the CPU it runs on, by design",
                         f"--cpu checks the stages every host shares: {portable}")
     outs = [o.path for o in spec.outs(cfg, key)]

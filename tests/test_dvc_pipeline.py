@@ -364,10 +364,10 @@ def test_portable_stages_rebuild_bit_identical_on_another_isa(repo, stage):
 def test_portable_stages_record_their_kernels(repo):
     """Every portable stage of the DAG ran on the portable kernels (its manifest says so; a library run says
     `host: …` instead)."""
-    from pipeline import catalog
+    from pipeline.lockdiff import portable_groups
     from pipeline.portable import PORTABLE
 
-    portable = {d.name for d in catalog.declared() if catalog.load(d).portable}
+    portable = portable_groups()
     seen = 0
     for m in (repo / "artifacts").rglob("*.manifest.json"):
         doc = json.loads(m.read_text())
