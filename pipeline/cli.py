@@ -566,14 +566,14 @@ def main(argv: list[str] | None = None) -> int:
         i, forward = 1, argv[:1]
     command, rest = (argv[i] if i < len(argv) else None), argv[i + 1:]
     stages = catalog.declared()
-    if command in (names := {d.name: d for d in stages}):
-        return importlib.import_module(names[command].module).main(forward + rest)
-    if command in ("dag", "deps"):
-        from pipeline import dag
-
-        return (dag.main if command == "dag" else dag.deps_main)(forward + rest)
-    args = build_parser(stages).parse_args(argv)
     try:
+        if command in (names := {d.name: d for d in stages}):
+            return importlib.import_module(names[command].module).main(forward + rest)
+        if command in ("dag", "deps"):
+            from pipeline import dag
+
+            return (dag.main if command == "dag" else dag.deps_main)(forward + rest)
+        args = build_parser(stages).parse_args(argv)
         return report_errors(lambda: args.func(args))
     except BrokenPipeError:      # `kiln … | head`: the reader left; stop quietly, as other Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

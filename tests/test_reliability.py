@@ -46,6 +46,23 @@ def _params(root: Path, tmp: Path, mutate) -> str:
     return str(p)
 
 
+# ---------------------------------------------------------------------------------------------- [pipes]
+@pytest.mark.parametrize("args", [["dag"], ["deps", "validate@embedder-ort-cpu-int8"]])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(args):
+    """`kiln … | head`: forwarded commands (stage CLIs, dag, deps) stop with 141 and no traceback, like the rest.
+    `kiln dag` prints the whole rendered DAG (far more than a pipe buffer), so the write after the reader left
+    fails; `deps` may fit the buffer and then simply finishes."""
+    p = subprocess.Popen([PY, "-m", "pipeline.cli", *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()                                     # the reader leaves after one line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) in (0, 141), err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    if args == ["dag"]:
+        assert p.returncode == 141
+
+
 # ---------------------------------------------------------------------------------------------- [names→paths]
 @pytest.mark.parametrize("args, needle", [
     (["compile", "../../../victim"], "not a valid name"),
