@@ -77,7 +77,7 @@ def cmd_identify(args) -> int:
 def _identify_release(args, rgbs) -> int:
     """`kiln identify --release ARCHIVE`: verify a system release offline, extract it privately, run it from its own
     files (engines, config slice, gallery): no checkout, no params.yaml, no DVC, no registry."""
-    from pipeline import release, system_release
+    from pipeline import system_release
 
     given = [f for f, v in (("--target", args.target), ("--precision", args.precision), ("--gallery", args.gallery))
              if v is not None]

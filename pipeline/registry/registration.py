@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline import paths
 from pipeline.dvcfiles import address
@@ -327,9 +327,6 @@ def _complete(reg: Registry, name: str, art: Registrable, version: int) -> bool:
 
 def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest: dict, vmanifest: dict,
                       verdict: dict, digest: str) -> int:
-    from mlflow.entities import LoggedModelOutput, Metric, Param
-    from mlflow.exceptions import MlflowException
-
     client = reg.client
     eid = reg.experiment_id(cfg.register.experiment)
     ident, vident = identity_digest(manifest), identity_digest(vmanifest)
@@ -352,33 +349,55 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
     run_tags = dict(tags)
     if dvc_stage := os.environ.get("DVC_STAGE"):
         run_tags["dvc_stage"] = dvc_stage
-    run = client.create_run(eid, run_name=art.name, tags=run_tags)
-    run_id, model_id = run.info.run_id, None
+
+    def stage(staged: Path) -> None:
+        for entry in manifest["files"]:
+            _link_or_copy(art.directory / entry["path"], staged / entry["path"])
+        _link_or_copy(art.manifest_file, staged / art.manifest_file.name)
+        _link_or_copy(art.verdict_dir / paths.VALIDATION_FILE, staged / KILN_DIR / paths.VALIDATION_FILE)
+        _link_or_copy(art.verdict_manifest, staged / KILN_DIR / art.verdict_manifest.name)
+        if art.metrics:
+            write_json_atomic(staged / KILN_DIR / BENCH_FILE, {"artifact": art.name, "metrics": art.metrics,
+                                                               "host_class": art.host_class})
+        if art.record:
+            write_json_atomic(staged / KILN_DIR / RECORD_FILE, art.record)
+
+    metrics = {**_metrics("validation", verdict.get("metrics") or {}), **_metrics("bench", art.metrics), **row_metrics}
+    run_id, model_id = _log_model(client, eid, art.name, run_tags, tags, params, f"kiln-{art.kind}", stage, metrics)
+    _ensure_registered_model(client, name, {k: art.tags[k] for k in art.tags if k in
+                                            ("model", "target", "precision", "gallery")} | {"kind": art.kind},
+                             f"Kiln {art.kind} {art.name}")
+    # = mlflow.register_model(f"models:/{model_id}", name, tags=tags), minus its global client and its chatter
+    mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags | row_tags,
+                                     model_id=model_id)
+    version = int(mv.version)
+    if alias := _alias_for(verdict["verdict"], art.tags.get("bench_gate")):  # a failed bench gate: no alias either
+        move_alias(reg, AliasMove(name, alias, reg.aliases(name).get(alias), version, "register", actor_name(), now(),
+                                  f"registered {art.name} sha256 {digest[:12]} (validation {verdict['verdict']})"))
+    return version
+
+
+def _log_model(client, eid: str, name: str, run_tags: dict, tags: dict, params: dict, model_type: str,
+               stage: Callable[[Path], None], metrics: dict[str, float]) -> tuple[str, str]:
+    """One MLflow run that logs one model named `name`: its params, the files `stage(folder)` puts into a fresh
+    staging folder, its metrics. The run ends FINISHED and the model READY — or, if anything raises, both FAILED
+    and the error goes on. Returns (run_id, model_id)."""
+    from mlflow.entities import LoggedModelOutput, Metric, Param
+    from mlflow.exceptions import MlflowException
+
+    run_id, model_id = client.create_run(eid, run_name=name, tags=run_tags).info.run_id, None
     try:
         client.log_batch(run_id, params=[Param(k, v) for k, v in sorted(params.items())])
-        lm = client.create_logged_model(eid, name=art.name, source_run_id=run_id, tags=tags, params=params,
-                                        model_type=f"kiln-{art.kind}")
-        model_id = lm.model_id
+        model_id = client.create_logged_model(eid, name=name, source_run_id=run_id, tags=tags, params=params,
+                                              model_type=model_type).model_id
         with tempfile.TemporaryDirectory(prefix="kiln-register-") as tmp:
-            staged = Path(tmp)
-            for entry in manifest["files"]:
-                _link_or_copy(art.directory / entry["path"], staged / entry["path"])
-            _link_or_copy(art.manifest_file, staged / art.manifest_file.name)
-            _link_or_copy(art.verdict_dir / paths.VALIDATION_FILE, staged / KILN_DIR / paths.VALIDATION_FILE)
-            _link_or_copy(art.verdict_manifest, staged / KILN_DIR / art.verdict_manifest.name)
-            if art.metrics:
-                write_json_atomic(staged / KILN_DIR / BENCH_FILE, {"artifact": art.name, "metrics": art.metrics,
-                                                                   "host_class": art.host_class})
-            if art.record:
-                write_json_atomic(staged / KILN_DIR / RECORD_FILE, art.record)
-            client.log_model_artifacts(model_id, str(staged))
+            stage(Path(tmp))
+            client.log_model_artifacts(model_id, tmp)
         client.finalize_logged_model(model_id, "READY")
-        ts = int(time.time() * 1000)
-        values = {**_metrics("validation", verdict.get("metrics") or {}), **_metrics("bench", art.metrics),
-                  **row_metrics}
-        if values:
+        if metrics:
+            ts = int(time.time() * 1000)
             client.log_batch(run_id, metrics=[Metric(k, v, ts, 0, model_id=model_id, run_id=run_id)
-                                              for k, v in sorted(values.items())])
+                                              for k, v in sorted(metrics.items())])
         client.log_outputs(run_id, [LoggedModelOutput(model_id, step=0)])
         client.set_terminated(run_id, "FINISHED")
     except BaseException:
@@ -389,21 +408,18 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
         except MlflowException:
             pass
         raise
+    return run_id, model_id
+
+
+def _ensure_registered_model(client, name: str, tags: dict, description: str) -> None:
+    """Create the registered model `name` unless it exists (a second registration, or a concurrent one)."""
+    from mlflow.exceptions import MlflowException
+
     try:
-        client.create_registered_model(name, tags={k: art.tags[k] for k in art.tags if k in
-                                                   ("model", "target", "precision", "gallery")} | {"kind": art.kind},
-                                       description=f"Kiln {art.kind} {art.name}")
+        client.create_registered_model(name, tags=tags, description=description)
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    # = mlflow.register_model(f"models:/{model_id}", name, tags=tags), minus its global client and its chatter
-    mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags | row_tags,
-                                     model_id=model_id)
-    version = int(mv.version)
-    if alias := _alias_for(verdict["verdict"], art.tags.get("bench_gate")):  # a failed bench gate: no alias either
-        move_alias(reg, AliasMove(name, alias, reg.aliases(name).get(alias), version, "register", actor_name(), now(),
-                                  f"registered {art.name} sha256 {digest[:12]} (validation {verdict['verdict']})"))
-    return version
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -420,6 +420,26 @@ def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: s
             return _move(reg, name, version, "promote", actor, reason, summary)
 
 
+def rollback_target(reg: Registry, name: str, promote: str) -> tuple[int, int]:
+    """(the production version, the one it replaced) from the recorded release history — or why there is none: no
+    production, an alias moved outside kiln, or a first production version. `promote` is the command that promotes a
+    version of `name` (for the hints: `kiln promote NAME`, `kiln promote --system SYSTEM`). Call under its lock."""
+    stack = production_stack(moves(reg, name))
+    current = reg.aliases(name).get(PRODUCTION)
+    if current is None:
+        raise KilnError(f"{name}: nothing is in production, so there is nothing to roll back",
+                        f"promote a version first ({promote} VERSION)")
+    if not stack or stack[-1] != current:
+        raise KilnError(f"{name}: production is v{current}, but the release history says "
+                        f"{'v' + str(stack[-1]) if stack else 'nothing'}; the alias was moved outside kiln",
+                        f"record the current one with `{promote} {current}`, or promote the intended version "
+                        f"({promote} VERSION)")
+    if len(stack) < 2:
+        raise KilnError(f"{name}: v{current} is the first production version; there is no earlier one",
+                        f"promote a specific version instead ({promote} VERSION)")
+    return current, stack[-2]
+
+
 def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
              reason: str | None = None) -> AliasMove:
     """Move `production` back to the version it held before the current one (per the recorded history)."""
@@ -429,24 +449,11 @@ def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
         reg.require_model(name)
         with reg.lock(name):
             settle(reg, name)
-            stack = production_stack(moves(reg, name))
-            current = reg.aliases(name).get(PRODUCTION)
-            if current is None:
-                raise KilnError(f"{name}: nothing is in production, so there is nothing to roll back",
-                                f"promote a version first (kiln promote {name} VERSION)")
-            if not stack or stack[-1] != current:
-                raise KilnError(f"{name}: production is v{current}, but the release history says "
-                                f"{'v' + str(stack[-1]) if stack else 'nothing'}; the alias was moved outside kiln",
-                                f"record the current one with `kiln promote {name} {current}`, or promote the "
-                                f"intended version (kiln promote {name} VERSION)")
-            if len(stack) < 2:
-                raise KilnError(f"{name}: v{current} is the first production version; there is no earlier one",
-                                f"promote a specific version instead (kiln promote {name} VERSION)")
-            target = stack[-2]
+            _, target = rollback_target(reg, name, f"kiln promote {name}")
             summary = check_version(reg, name, target)
             return _move(reg, name, target, "rollback", actor, reason, summary)
 
 
 __all__ = ["AliasMove", "BUILT", "CANDIDATE", "PRODUCTION", "RELEASES_EXPERIMENT", "VALIDATIONS_EXPERIMENT",
            "attached_verdicts", "check_version", "download_verified", "fetch_release", "history", "move_alias",
-           "promote", "redact", "rollback", "settle"]
+           "promote", "redact", "rollback", "rollback_target", "settle"]

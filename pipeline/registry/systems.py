@@ -33,7 +33,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,10 +45,11 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (artifact_digest, canonical_json, check_files, identity_digest, manifest_path,
                                read_manifest, verify_manifest)
 from pipeline.registry.client import Registry, errors, redact, registered_name
-from pipeline.registry.registration import _complete, _end_killed_runs, _flat, _metrics
+from pipeline.registry.registration import (_complete, _end_killed_runs, _ensure_registered_model, _flat, _log_model,
+                                            _metrics)
 from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, _binding, _move,
                                         _not_faster_note, actor_name, check_version, download_verified, move_alias,
-                                        moves, now, production_stack, settle)
+                                        now, rollback_target, settle)
 
 PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name>
 PARTS_FILE = "parts.json"
@@ -195,9 +195,6 @@ def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described:
          parts: list[Part], digest: str) -> int:
     import shutil
 
-    from mlflow.entities import LoggedModelOutput, Metric, Param
-    from mlflow.exceptions import MlflowException
-
     from pipeline.records import read_record
 
     client, name, artifact = reg.client, registered(system), PREFIX + system
@@ -215,42 +212,17 @@ def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described:
               **{f"{PARAM}part.{p.model}.{k}": str(getattr(p, k)) for p in parts for k in PART_KEYS},
               **_flat("thresholds", described.get("thresholds") or {}),
               **_flat("preprocessing", described.get("preprocessing") or {})}
-    run = client.create_run(eid, run_name=artifact, tags=tags)
-    run_id, model_id = run.info.run_id, None
-    try:
-        client.log_batch(run_id, params=[Param(k, v) for k, v in sorted(params.items())])
-        lm = client.create_logged_model(eid, name=artifact, source_run_id=run_id, tags=tags, params=params,
-                                        model_type="kiln-system")
-        model_id = lm.model_id
-        d = paths.system(system, root)
-        with tempfile.TemporaryDirectory(prefix="kiln-register-") as tmp:
-            staged = Path(tmp)          # copies, never links: the artifact store must not share the checkout's inodes
-            for f in (paths.SYSTEM_FILE, paths.VERDICT_FILE, manifest_path(d, system).name):
-                shutil.copyfile(d / f, staged / f)
-            (staged / KILN_DIR).mkdir()
-            (staged / KILN_DIR / PARTS_FILE).write_bytes(parts_doc)
-            client.log_model_artifacts(model_id, str(staged))
-        client.finalize_logged_model(model_id, "READY")
-        if values := _metrics("system", verdict.get("metrics") or {}):
-            ts = int(time.time() * 1000)
-            client.log_batch(run_id, metrics=[Metric(k, v, ts, 0, model_id=model_id, run_id=run_id)
-                                              for k, v in sorted(values.items())])
-        client.log_outputs(run_id, [LoggedModelOutput(model_id, step=0)])
-        client.set_terminated(run_id, "FINISHED")
-    except BaseException:
-        try:
-            if model_id:
-                client.finalize_logged_model(model_id, "FAILED")
-            client.set_terminated(run_id, "FAILED")
-        except MlflowException:
-            pass
-        raise
-    try:
-        client.create_registered_model(name, tags={"kind": "system", "system": system},
-                                       description=f"Kiln face system {system}")
-    except MlflowException as e:
-        if e.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
+    d = paths.system(system, root)
+
+    def stage(staged: Path) -> None:    # copies, never links: the artifact store must not share the checkout's inodes
+        for f in (paths.SYSTEM_FILE, paths.VERDICT_FILE, manifest_path(d, system).name):
+            shutil.copyfile(d / f, staged / f)
+        (staged / KILN_DIR).mkdir()
+        (staged / KILN_DIR / PARTS_FILE).write_bytes(parts_doc)
+
+    run_id, model_id = _log_model(client, eid, artifact, tags, tags, params, "kiln-system", stage,
+                                  _metrics("system", verdict.get("metrics") or {}))
+    _ensure_registered_model(client, name, {"kind": "system", "system": system}, f"Kiln face system {system}")
     mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
     version = int(mv.version)
     if verdict.get("verdict") == "pass":
@@ -459,20 +431,7 @@ def rollback(cfg, system: str, root: Path = Path("."), actor: str | None = None,
         _require(reg, name)
         with reg.lock(name):
             settle(reg, name)
-            stack = production_stack(moves(reg, name))
-            current = reg.aliases(name).get(PRODUCTION)
-            if current is None:
-                raise KilnError(f"{name}: nothing is in production, so there is nothing to roll back",
-                                f"promote a version first (kiln promote --system {system_name(name)} VERSION)")
-            if not stack or stack[-1] != current:
-                raise KilnError(f"{name}: production is v{current}, but the release history says "
-                                f"{'v' + str(stack[-1]) if stack else 'nothing'}; the alias was moved outside kiln",
-                                f"record it with `kiln promote --system {system_name(name)} {current}`")
-            if len(stack) < 2:
-                raise KilnError(f"{name}: v{current} is the first production version; there is no earlier one",
-                                f"promote a specific version instead (kiln promote --system {system_name(name)} "
-                                "VERSION)")
-            target = stack[-2]
+            current, target = rollback_target(reg, name, f"kiln promote --system {system_name(name)}")
             v, summary = _prove(reg, name, target, Path(tmp))
             compat = _compat_gate(cfg, reg, name, target, v, current, root, Path(tmp), re_enroll, "roll back")
             return _move_all(reg, name, target, v, "rollback", actor, reason, summary, compat, re_enroll)
