@@ -85,6 +85,18 @@ def test_precision_is_pinned_in_the_engine(engines, built):
         assert hints["embedder-openvino-cpu-bf16"] == "bf16"
 
 
+def test_a_runner_told_its_threads_does_not_pin_them(engines, built):
+    """sysbench@'s workers each load the engines with their share of the cores; OpenVINO would pin every process's
+    threads to the same first cores. Told its threads, a runner leaves placement to the OS; left alone, it keeps
+    the engine's recorded properties (the plugin's default pinning)."""
+    from pipeline.targets.openvino import OvRunner
+
+    d = paths.engine("embedder-openvino-cpu-fp32", built)
+    told = OvRunner(d, threads=1).compiled
+    assert told.get_property("INFERENCE_NUM_THREADS") == 1 and told.get_property("ENABLE_CPU_PINNING") is False
+    assert "ENABLE_CPU_PINNING" not in json.loads((d / CONFIG_FILE).read_text())["properties"]
+
+
 def test_the_ir_keeps_fp32_weights(engines, built):
     """save_model's default compresses weights to FP16; the FP32 engine's .bin holds the export's 22 MB of floats."""
     assert (paths.engine("embedder-openvino-cpu-fp32", built) / "model.bin").stat().st_size > 20e6
