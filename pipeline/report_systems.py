@@ -26,10 +26,13 @@ def collect(cfg, root: Path = Path(".")) -> dict[str, dict]:
     for name in cfg.systems:
         d = paths.sysbench(name, root)
         try:
-            out[name] = {"sysbench": json.loads((d / "sysbench.json").read_text()),
-                         "bottleneck": json.loads((d / "bottleneck.json").read_text())}
+            sb = json.loads((d / "sysbench.json").read_text())
+            out[name] = {"sysbench": sb, "bottleneck": json.loads((d / "bottleneck.json").read_text())}
         except (FileNotFoundError, json.JSONDecodeError):
             continue
+        # each engine's target from params (an engine no longer in params.yaml: named as it was run)
+        out[name]["targets"] = sorted({cfg.engines[e].target if e in cfg.engines else e
+                                       for e in sb["engines"].values()})
     return out
 
 
@@ -115,6 +118,22 @@ def roofline_plot(name: str, b: dict) -> str:
     return "\n".join(out)
 
 
+def cost_rows(systems: dict[str, dict]) -> list[list[Any]]:
+    """One row per system, the buyer's comparison: its targets, streams held at the budget on this machine, cores per
+    stream (the machine's cores over the streams held) and the CPU a stream measurably used (CPU-s a frame × fps, at
+    the largest stream count held), and the stage that owned most of the frame there."""
+    rows = []
+    for name, s in systems.items():
+        sb, b = s["sysbench"], s["bottleneck"]
+        held = [p for p in sb["points"] if p["within_budget"]]
+        at = max(held, key=lambda p: p["streams"]) if held else None
+        cores, n = sb["plan"]["cores"], sb["streams_at_budget"]
+        used = at["cpu_s_per_frame"] * sb["frames"]["fps"] if at and at["cpu_s_per_frame"] is not None else None
+        rows.append([name, ", ".join(s["targets"]), n, round(cores / n, 2) if n else "—", round(used, 3) if used is not None else "—",
+                     b.get("bottleneck") or "—"])
+    return rows
+
+
 def section(systems: dict[str, dict]) -> list[str]:
     """The systems section's HTML parts."""
     parts = ['<h2 id="systems">Systems under sustained load</h2><p class="sub">Each gated system (system@) run by '
@@ -123,6 +142,11 @@ def section(systems: dict[str, dict]) -> list[str]:
              "are one run on the host class named.</p>"]
     if not systems:
         return [*parts, '<p class="empty">no sysbench@ result in this workspace (dvc repro runs it)</p>']
+    parts.append('<table class="engines"><tr>' + "".join(f"<th>{_e(h)}</th>" for h in (
+        "system", "targets", "streams at the budget", "cores per stream", "CPU cores a stream used",
+        "bottleneck")) + "</tr>")
+    parts += ["<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in cost_rows(systems)]
+    parts.append("</table>")
     head = ["streams", "offered fps", "achieved fps", "p50 ms", "p95 ms", "p99 ms", "dropped", "late", "CPU s/frame",
             "mean batch", "held"]
     for name, s in systems.items():

@@ -123,3 +123,21 @@ def test_sysbench_timings_are_never_cached_outputs(cfg):
     declared = [o for group in ("outs", "metrics") for o in outs.get(group, [])]
     assert len(declared) == 2
     assert all(isinstance(o, dict) and list(o.values())[0]["cache"] is False for o in declared), declared
+
+
+def test_the_report_compares_the_cost_per_stream_of_systems():
+    """The systems section's first table: per system its targets, the streams held, the machine's cores over them and
+    the CPU a stream used at the largest count held (CPU-s a frame × fps) — from the sysbench documents, so a system
+    that held nothing shows no cost rather than a division by zero."""
+    from pipeline import report_systems
+
+    def doc(held: list[int], missed: int, cpu: float) -> dict:
+        points = [{"streams": n, "within_budget": True, "cpu_s_per_frame": cpu} for n in held]
+        points.append({"streams": missed, "within_budget": False, "cpu_s_per_frame": cpu / 2})
+        return {"sysbench": {"points": points, "plan": {"cores": 2}, "streams_at_budget": max(held, default=0),
+                             "frames": {"fps": 10.0}},
+                "bottleneck": {"bottleneck": "pnet" if held else None}, "targets": ["openvino-cpu", "ort-cpu"]}
+
+    rows = report_systems.cost_rows({"a": doc([1, 2, 4], 8, 0.03), "b": doc([], 1, 0.05)})
+    assert rows[0] == ["a", "openvino-cpu, ort-cpu", 4, 0.5, 0.3, "pnet"]
+    assert rows[1] == ["b", "openvino-cpu, ort-cpu", 0, "—", "—", "—"]

@@ -203,3 +203,4 @@ def test_sysbench_runs_the_gated_system_under_load_and_keeps_its_timings_out_of_
     from pipeline import report
     html = report.render(report.for_workspace(cfg, root))
     assert 'id="systems"' in html and "roofline" in html and f"{SYSTEM}: 0 stream(s)" in html
+    assert "<th>cores per stream</th>" in html and f"<tr><td>{SYSTEM}</td><td>ort-cpu</td><td>0</td>" in html
