@@ -81,7 +81,7 @@ def roofline_plot(name: str, b: dict) -> str:
     ys = [r["achieved_gflops"] for _, r in pts] + [peak]
     x0, x1 = math.floor(math.log10(min(xs) / 2)), math.ceil(math.log10(max(xs) * 2))
     y0, y1 = math.floor(math.log10(min(ys) / 2)), math.ceil(math.log10(max(ys) * 2))
-    w, h, ml, mr, mt, mb = 600, 320, 70, 120, 30, 45
+    w, h, ml, mr, mt, mb = 600, 330, 70, 120, 42, 45
 
     def px(v: float) -> float:
         return ml + (math.log10(v) - x0) / (x1 - x0) * (w - ml - mr)
@@ -90,8 +90,9 @@ def roofline_plot(name: str, b: dict) -> str:
         return h - mb - (math.log10(v) - y0) / (y1 - y0) * (h - mt - mb)
     out = [f'<svg class="plot" role="img" aria-label="{_e(name)} roofline" viewBox="0 0 {w} {h}" width="{w}" '
            f'height="{h}" xmlns="http://www.w3.org/2000/svg">',
-           f'<text x="{w / 2}" y="18" text-anchor="middle" class="t">{_e(name)}: roofline '
-           f'({roof["threads"]} thread(s); float32 peak {peak:.0f} GFLOP/s, {bw:.1f} GB/s; INT8 can pass it)</text>',
+           f'<text x="{w / 2}" y="16" text-anchor="middle" class="t">{_e(name)}: roofline</text>',   # two lines:
+           f'<text x="{w / 2}" y="32" text-anchor="middle" class="k">{roof["threads"]} thread(s); float32 peak '
+           f'{peak:.0f} GFLOP/s, {bw:.1f} GB/s; INT8 can pass it</text>',                      # a long name fits
            f'<line x1="{ml}" y1="{h - mb}" x2="{w - mr}" y2="{h - mb}" class="ax"/>',
            f'<line x1="{ml}" y1="{mt}" x2="{ml}" y2="{h - mb}" class="ax"/>']
     for k in range(x0, x1 + 1):
@@ -107,13 +108,18 @@ def roofline_plot(name: str, b: dict) -> str:
                '(FLOP / byte)</text>')
     out.append(f'<text x="14" y="{(mt + h - mb) / 2}" text-anchor="middle" class="k" '
                f'transform="rotate(-90 14 {(mt + h - mb) / 2})">achieved GFLOP/s</text>')
-    for m, r in pts:
-        out.append(f'<circle cx="{px(r["intensity"]):.1f}" cy="{py(r["achieved_gflops"]):.1f}" r="5" '
+    placed: list[tuple[float, float]] = []                   # labels so far: a label near one moves down a line
+    for m, r in sorted(pts, key=lambda mr: -mr[1]["achieved_gflops"]):
+        x, y = px(r["intensity"]), py(r["achieved_gflops"])
+        out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="5" '
                    f'fill="{BOUND_COLORS[r["bound"]]}"><title>{_e(m)}: {r["achieved_gflops"]:.3g} GFLOP/s at '
                    f'{r["intensity"]:.3g} FLOP/B, {r["of_attainable"]:.0%} of the roof there ({_e(r["bound"])})'
                    '</title></circle>')
-        out.append(f'<text x="{px(r["intensity"]) + 7:.1f}" y="{py(r["achieved_gflops"]) - 6:.1f}" class="pl">'
-                   f'{_e(m)} {_e(prec[m])} ({_e(r["bound"])})</text>')
+        ly = y - 6
+        while any(abs(ly - py_) < 11 and abs(x - px_) < 110 for px_, py_ in placed):
+            ly += 11
+        placed.append((x, ly))
+        out.append(f'<text x="{x + 7:.1f}" y="{ly:.1f}" class="pl">{_e(m)} {_e(prec[m])} ({_e(r["bound"])})</text>')
     out.append("</svg>")
     return "\n".join(out)
 
