@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # bench/e2e.py's scen
 from e2e import scenarios  # noqa: E402
 
 from pipeline import config, engines, paths, tables, toolchain  # noqa: E402
-from pipeline.errors import KilnError  # noqa: E402
 from pipeline.manifest import verify_manifest  # noqa: E402
 from pipeline.models import mtcnn  # noqa: E402
 
@@ -79,8 +78,8 @@ def openvino_pnet(precision: str):
     d = Path("artifacts/quantized/pnet-ort") if precision == "int8" else paths.export("pnet")
     manifests = list(d.glob("*.manifest.json"))
     if not manifests or (problems := verify_manifest(manifests[0])):
-        raise KilnError(f"{d}: not built or does not verify ({'; '.join(problems) if manifests else 'no manifest'})",
-                        "bash scripts/run.sh")
+        raise SystemExit(f"{d}: not built or does not verify "
+                         f"({'; '.join(problems) if manifests else 'no manifest'}): bash scripts/run.sh")
     hint = {"fp32": "f32", "int8": "f32", "bf16": "bf16"}[precision]
     compiled = ov.Core().compile_model(str(d / "model.onnx"), "CPU", {
         "INFERENCE_PRECISION_HINT": hint, "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1})
