@@ -148,7 +148,7 @@ def section(systems: dict[str, dict]) -> list[str]:
              "are one run on the host class named.</p>"]
     if not systems:
         return [*parts, '<p class="empty">no sysbench@ result in this workspace (dvc repro runs it)</p>']
-    parts.append('<table class="engines"><tr>' + "".join(f"<th>{_e(h)}</th>" for h in (
+    parts.append('<table class="engines costs"><tr>' + "".join(f"<th>{_e(h)}</th>" for h in (
         "system", "targets", "streams at the budget", "cores per stream", "CPU cores a stream used",
         "bottleneck")) + "</tr>")
     parts += ["<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in cost_rows(systems)]

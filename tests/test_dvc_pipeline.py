@@ -299,6 +299,9 @@ def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo)
     systems = yaml.safe_load((repo / "params.yaml").read_text())["systems"]
     # a table per model and per system under load (sysbench@ runs in the default DAG)
     assert dom.count('<table class="engines">') == len(models) + len(systems)
+    # ... and one comparing the systems' cost per stream, a row each
+    costs = dom[dom.index('<table class="engines costs">'):]
+    assert all(f"<tr><td>{s}</td>" in costs[:costs.index("</table>")] for s in systems)
     # accuracy vs latency per model, 1 matching curve, the systems' stacked bar, a roofline per system
     assert dom.count('class="plot"') == len(models) + 1 + 1 + len(systems)
     assert 'id="systems"' in dom and all(f"<h3>{s}: " in dom for s in systems) and "roofline" in dom
