@@ -135,8 +135,8 @@ def cost_rows(systems: dict[str, dict]) -> list[list[Any]]:
         at = max(held, key=lambda p: p["streams"]) if held else None
         cores, n = sb["plan"]["cores"], sb["streams_at_budget"]
         used = at["cpu_s_per_frame"] * sb["frames"]["fps"] if at and at["cpu_s_per_frame"] is not None else None
-        rows.append([name, ", ".join(s["targets"]), n, round(cores / n, 2) if n else "—", round(used, 3) if used is not None else "—",
-                     b.get("bottleneck") or "—"])
+        rows.append([name, ", ".join(s["targets"]), n, round(cores / n, 2) if n else "—",
+                     round(used, 3) if used is not None else "—", b.get("bottleneck") or "—"])
     return rows
 
 
