@@ -20,6 +20,7 @@ on the host: on another CPU they must still be bit-identical. Stages made of tim
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -115,18 +116,43 @@ def render(classes: dict[str, tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _git(args: list[str], root: Path) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, encoding="utf-8",
+                              errors="replace")
+    except FileNotFoundError:
+        raise KilnError("git not found: the committed dvc.lock files are read from git",
+                        "install git, or run this in a clone of the repository") from None
+
+
+def resolve(rev: str, root: Path = Path(".")) -> str:
+    """`rev` as the full SHA of the commit it names in this repository. A user's value never reaches git as an
+    option: `--end-of-options` before it (`--against=--output=FILE` is a revision that does not resolve, not
+    git's --output), and only the resolved hex SHA is used after."""
+    shown = rev if len(rev) <= 80 and rev.isprintable() else repr(rev[:80]) + "…"
+    hint = "pass a commit of this repository (a branch, a tag or a SHA; default HEAD)"
+    if not rev or "\0" in rev:
+        raise KilnError(f"--against {shown or '(empty)'}: not a commit", hint)
+    r = _git(["rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"], root)
+    sha = r.stdout.strip()
+    if r.returncode != 0 or not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", sha):
+        raise KilnError(f"--against {shown}: not a commit of this repository", hint)
+    return sha
+
+
 def committed_locks(rev: str, root: Path = Path(".")) -> dict[str, dict]:
     """Every stage's lock entry as commit `rev` has it (the project's dvc.lock files read from git)."""
     import yaml
 
+    sha = resolve(rev, root)
     out: dict[str, dict] = {}
     for f in dvc_files(root):
         rel = f.with_name("dvc.lock").relative_to(root).as_posix()
-        r = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, capture_output=True, text=True)
+        r = _git(["show", "--end-of-options", f"{sha}:{rel}"], root)
         if r.returncode == 0:
             out.update((yaml.safe_load(r.stdout) or {}).get("stages", {}))
         elif "exists on disk, but not in" not in r.stderr and "does not exist in" not in r.stderr:
-            raise KilnError(f"git show {rev}:{rel}: {r.stderr.strip()[:200]}", "pass a commit of this repository")
+            raise KilnError(f"git show {sha[:12]}:{rel}: {r.stderr.strip()[:200]}", "pass a commit of this repository")
     return out
 
 

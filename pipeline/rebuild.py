@@ -67,6 +67,7 @@ def engine_max_abs(cfg, engine: str, a: Path, b: Path, root: Path) -> float:
 
 def classify(cfg, stage_name: str, root: Path = Path("."), cpu: str | None = None) -> dict:
     """Rebuild `stage_name` in a scratch project (on an emulated CPU model when `cpu` is given); classify it."""
+    prefix = scratch.emulator(cpu) if cpu is not None else ()     # the CPU model first: a value qemu is given
     group, _, key = stage_name.partition("@")
     if group in NOT_BUILDS:
         raise KilnError(f"{stage_name}: not a build (a probe, timings or a registry write); nothing to rebuild",
@@ -75,7 +76,7 @@ def classify(cfg, stage_name: str, root: Path = Path("."), cpu: str | None = Non
     key = key or None
     if (spec.keys is None) != (key is None) or (key is not None and key not in spec.keys(cfg)):
         raise KilnError(f"no stage {stage_name!r}", "see dvc.yaml for the stage names")
-    if cpu and not spec.portable:
+    if cpu is not None and not spec.portable:
         from pipeline.lockdiff import portable_groups
 
         portable = ", ".join(sorted(portable_groups()))
@@ -86,7 +87,6 @@ def classify(cfg, stage_name: str, root: Path = Path("."), cpu: str | None = Non
         if not (root / rel).exists():
             raise KilnError(f"{root / rel}: not built", f"build it first: dvc repro {address(stage_name)}")
     claim = targets.get(cfg.engine(key).target).reproducibility if group == "compile" else None
-    prefix = scratch.emulator(cpu) if cpu else ()
     with scratch.rebuild(spec, cfg, key, root, prefix=prefix) as other:
         other = Path(other)
         differ = compare_outputs(outs, root, other)

@@ -31,13 +31,17 @@ if TYPE_CHECKING:
 def emulator(cpu: str) -> list[str]:
     """The command prefix that runs a process on an emulated x86-64 CPU model (qemu-user: that CPU's CPUID, so
     every library picks the kernels it would pick there), e.g. `EPYC-Rome` (a Zen 2: AVX2, no AVX-512)."""
+    hint = "name one of qemu-x86_64's CPU models (qemu-x86_64 -cpu help), e.g. EPYC-Rome"
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", cpu):    # an option, a feature list (,+avx512f), …
+        raise KilnError(f"--cpu {cpu[:80]!r}: not a CPU model name", hint)
     qemu = shutil.which("qemu-x86_64")
     if qemu is None:
         raise KilnError("qemu-x86_64 not found: emulating another CPU needs qemu-user",
                         "apt-get install qemu-user (scripts/setup.sh --test installs it)")
-    r = subprocess.run([qemu, "-cpu", "help"], capture_output=True, text=True)
-    if not re.search(rf"^x86\s+{re.escape(cpu)}\s", r.stdout, re.M):
-        raise KilnError(f"{cpu!r}: not a CPU model qemu-x86_64 knows", "list them: qemu-x86_64 -cpu help")
+    r = subprocess.run([qemu, "-cpu", "help"], capture_output=True, text=True, encoding="utf-8", errors="replace")
+    models = set(re.findall(r"^x86\s+(\S+)", r.stdout, re.M))       # the emulator's own list, nothing else
+    if cpu not in models:
+        raise KilnError(f"--cpu {cpu!r}: not a CPU model qemu-x86_64 knows", hint)
     return [qemu, "-cpu", cpu]
 
 
@@ -70,7 +74,8 @@ def rebuild(spec: Stage, cfg, key: str | None, root: Path = Path("."),
         env = cli_env()
         if spec.portable:    # set from the start: a relaunch (portable.pin) would leave an emulator's process
             env.update(portable.ENV)
-        r = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True)
+        r = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, encoding="utf-8",
+                           errors="replace")
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["?"])
             raise KilnError(f"{spec.name(key)}: the rebuild in a fresh process failed: {last[-1][:300]}",
