@@ -338,6 +338,19 @@ class BenchConfig:
     int8_min_speedup: NonNeg = 1.15
 
 
+# What a sysbench point may ask of a host at all (checked in _check_systems). A point offers streams × fps frames a
+# second, each a detection cascade, an embedding and a search: ≥ 0.03 CPU-s a frame on every system measured here
+# (docs/measurements.md), so 10 000 frames/s keeps ≥ 300 cores busy — past any one host the sweep drives (≤ 64
+# workers) — and the parent, one Python process putting every frame on one queue, could not offer them in time.
+# Past it a point measures only its own backlog; its schedule (streams × fps × (1 + seconds) frames, made before
+# the first is sent) stays ≤ 1.2 M entries. 1 024 streams is that rate at the default 10 fps, and bounds the
+# schedule where a low fps would not; a batch (one embedder call for all its frames' faces) of 256 frames is far
+# past any batch an engine here is benched at (bench.batches).
+SYSBENCH_MAX_STREAMS = 1024
+SYSBENCH_MAX_OFFERED_FPS = 10_000
+SYSBENCH_MAX_BATCH = 256
+
+
 @frozen
 class SysbenchConfig:
     """sysbench@<system>: sustained load on a face system (pipeline/sysbench/)."""
@@ -642,9 +655,22 @@ def _check_systems(p: Params) -> list[tuple[str, str, str]]:
     """Each system's detector (mtcnn or a detect model) and embedder resolve, and the face system's `embedder`
     model exists; the load test's stream counts ascend."""
     bad: list[tuple[str, str, str]] = []
-    if list(p.sysbench.streams) != sorted(set(p.sysbench.streams)):
-        bad.append(("sysbench.streams", f"{list(p.sysbench.streams)} is not ascending without repeats",
+    sb = p.sysbench
+    if list(sb.streams) != sorted(set(sb.streams)):
+        bad.append(("sysbench.streams", f"{_cut(str(list(sb.streams)), 80)} is not ascending without repeats",
                     "list the stream counts once each, smallest first (e.g. [1, 2, 4, 8])"))
+    elif sb.streams and sb.streams[-1] > SYSBENCH_MAX_STREAMS:
+        bad.append(("sysbench.streams", f"{sb.streams[-1]} streams: more than any host can serve (at most "
+                    f"{SYSBENCH_MAX_STREAMS} per point)", f"sweep at most {SYSBENCH_MAX_STREAMS} streams; the sweep "
+                    "stops at the first count that misses the budget anyway"))
+    elif sb.streams and sb.streams[-1] * sb.fps > SYSBENCH_MAX_OFFERED_FPS:
+        bad.append(("sysbench.streams", f"{sb.streams[-1]} streams × {sb.fps:g} fps = "
+                    f"{sb.streams[-1] * sb.fps:g} frames/s: more than any host can decide (at most "
+                    f"{SYSBENCH_MAX_OFFERED_FPS} per point)",
+                    f"keep streams × fps ≤ {SYSBENCH_MAX_OFFERED_FPS}: fewer streams or a lower fps"))
+    if sb.max_batch > SYSBENCH_MAX_BATCH:
+        bad.append(("sysbench.max_batch", f"{sb.max_batch} frames a batch: more than an engine is run at (at most "
+                    f"{SYSBENCH_MAX_BATCH})", "take fewer frames at once (e.g. 8)"))
     for name, sy in p.systems.items():
         det = p.models.get(sy.detector)
         if sy.detector == MTCNN:

@@ -20,6 +20,11 @@ How a point of the sweep runs (`streams` streams at `fps` each):
 The sweep stops at the first point that misses the budget (p99 over it, or any frame dropped), so its time is
 bounded by `len(streams) × (1 + seconds + drain)` plus worker start-up. The headline is the most streams that
 held the budget: streams per machine at that frame rate and resolution.
+
+Then the workers stop (`_stop`): STOP in the shared point id tells each to quit at its next job — frames still
+queued are never run — and one still busy after `STOP_TIMEOUT_S` is terminated; the queues' feeder threads are not
+waited for at exit (what they hold is for workers that are gone), and a SIGINT / SIGTERM during the stop acts when
+it ends. Workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the parent stops them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import numpy as np
 
 WARMUP_S = 1.0
 READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0       # all workers together, to finish the batch in hand once told to stop
+STOP = -2                   # the shared point id that tells the workers to quit
 
 
 @dataclass(frozen=True)
@@ -80,9 +87,12 @@ def plan(cfg) -> Plan:
 def _worker(params: str, root: str, system: str, picks: dict, threads: int, frames: list, budget_ms: float,
             max_batch: int, current, jobs, results) -> None:
     """Load the system, say ready, then run batches of jobs until told to stop (None)."""
+    import signal
+
     from pipeline import config
     from pipeline.e2e import System
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)            # the parent stops the workers (`_stop`)
     try:
         cfg = config.load(Path(params))
         s = System.from_picks(cfg, system, picks, Path(root), system=system, threads=threads)
@@ -96,7 +106,7 @@ def _worker(params: str, root: str, system: str, picks: dict, threads: int, fram
     stop = False
     while not stop:
         item = jobs.get()
-        if item is None:
+        if item is None or current.value == STOP:
             break
         batch = [item]
         while len(batch) < max_batch:
@@ -123,6 +133,7 @@ def _worker(params: str, root: str, system: str, picks: dict, threads: int, fram
             cpu = 0.0
         if live:
             results.put(("batch", live[0][0], decided, [(b[1], b[2], b[3]) for b in stale], timings, cpu))
+    results.cancel_join_thread()        # told to stop: the parent reads no more, so exit without flushing to it
 
 
 # ---------------------------------------------------------------------------------------------- one point
@@ -188,6 +199,34 @@ def _point(p: Plan, streams: int, point_id: int, n_frames: int, current, jobs, i
 
 
 # ---------------------------------------------------------------------------------------------- the sweep
+def _stop(procs: list, current, jobs, results, collector: threading.Thread | None) -> None:
+    """Stop the workers and leave nothing for the interpreter's exit to wait on (a queue feeder thread blocked on a
+    pipe that no worker reads any more was a hang after the sweep, until killed)."""
+    from pipeline.errors import deferred_signals
+
+    with deferred_signals():
+        current.value = STOP
+        for _ in procs:
+            jobs.put(None)                      # wakes a worker waiting on an empty queue
+        started = [w for w in procs if w.pid is not None]
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for w in started:
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+        for w in started:
+            if w.is_alive():                    # still in a batch (a stuck engine): ended, its batch discarded
+                w.terminate()
+                w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+                w.join()
+        if collector is not None:
+            results.put(None)
+            collector.join(timeout=5)
+        for q in (jobs, results):
+            q.cancel_join_thread()
+            q.close()
+
+
 def sweep(cfg, system: str, picks: dict[str, str], frames: list[np.ndarray], root: Path = Path("."),
           params: Path = Path("params.yaml"), progress=print) -> dict:
     """Run the sweep for `system` (engines `picks`); the points, the headline and what was picked."""
@@ -202,15 +241,32 @@ def sweep(cfg, system: str, picks: dict[str, str], frames: list[np.ndarray], roo
                                current, jobs, results)) for _ in range(p.workers)]
     inbox: queue.Queue = queue.Queue()
     threads_used = {}
+    collector = None
     try:
         for w in procs:
             w.start()
+        ready_by = time.monotonic() + READY_TIMEOUT_S
         for _ in procs:
-            try:
-                msg = results.get(timeout=READY_TIMEOUT_S)
-            except queue.Empty:
-                raise KilnError(f"sysbench@{system}: a worker did not load the system within {READY_TIMEOUT_S:.0f} s",
-                                "check that the system's engines load: kiln identify --system " + system) from None
+            while True:                 # a worker that dies while loading (killed, out of memory) says nothing
+                try:
+                    msg = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = next((w for w in procs if not w.is_alive()), None)
+                    if dead is not None:
+                        try:                # what it said before it exited is in the pipe by now
+                            msg = results.get(timeout=0.5)
+                            break
+                        except queue.Empty:
+                            pass
+                        raise KilnError(f"sysbench@{system}: a worker exited (code {dead.exitcode}) while loading "
+                                        "the system", "check that the system's engines load: kiln identify "
+                                        f"--system {system}; a worker killed by the OS may have run out of memory") \
+                            from None
+                    if time.monotonic() > ready_by:
+                        raise KilnError(f"sysbench@{system}: a worker did not load the system within "
+                                        f"{READY_TIMEOUT_S:.0f} s", "check that the system's engines load: kiln "
+                                        f"identify --system {system}") from None
             if msg[0] == "error":
                 raise KilnError(f"sysbench@{system}: a worker could not load the system: {msg[2]}",
                                 f"run system@{system} first (dvc repro) and check its engines load")
@@ -230,15 +286,8 @@ def sweep(cfg, system: str, picks: dict[str, str], frames: list[np.ndarray], roo
             points.append(_point(p, n, i, len(frames), current, jobs, inbox))
             if not points[-1]["within_budget"]:
                 break
-        results.put(None)
-        collector.join(timeout=5)
     finally:
-        for _ in procs:
-            jobs.put(None)
-        for w in procs:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.terminate()
+        _stop(procs, current, jobs, results, collector)
     held = [pt["streams"] for pt in points if pt["within_budget"]]
     return {
         "plan": {**asdict(p), "drain_s": p.drain_s, "bound_s": round(p.bound_s, 3), "warmup_s": WARMUP_S,
