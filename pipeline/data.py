@@ -7,6 +7,10 @@ generator seeded by (set seed, photo index, k), so a set is a pure function of p
 
 A set is a directory: `chips.npy` (N, S, S, 3) uint8 RGB and `index.json` (identities, labels, per-chip source
 and augmentation, per-photo landmarks, content hash).
+
+An identity's name is its folder's, and it is printed (`kiln identify`) and shipped (a system release's labels), so
+it must be an identity slug (pipeline/paths.py `is_identity`): a folder named otherwise is refused at enrolment, a
+set holding one when it is read.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from pipeline import paths
 from pipeline.config import Augment, DataConfig, SetSpec
 from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
@@ -62,6 +67,8 @@ def list_photos(root: Path) -> list[Photo]:
     if not photos:
         raise KilnError(f"{root}: no images found in <root>/<identity>/<image> layout",
                         f"put photos ({', '.join(IMAGE_SUFFIXES)}) in one sub-folder per identity")
+    for name in sorted({p.identity for p in photos}):
+        paths.identity(name, f"{root}: photo folder")
     return photos
 
 
@@ -176,11 +183,13 @@ def save_set(image_set: ImageSet, out: Path) -> list[Path]:
 def load_set(directory: Path) -> ImageSet:
     directory = Path(directory)
     try:
-        index = json.loads((directory / "index.json").read_text())
+        index = json.loads((directory / "index.json").read_text(encoding="utf-8"))
         chips = np.load(directory / "chips.npy", allow_pickle=False)
     except FileNotFoundError as e:
         raise KilnError(f"{directory}: image set incomplete ({Path(e.filename).name} missing)",
                         f"rebuild it: dvc repro {address('dataset')}") from None
+    for name in index["identities"]:
+        paths.identity(name, f"{directory}/index.json")
     labels = np.asarray(index["labels"], np.int64)
     digest = xxh3_128_hex(chips.tobytes() + canonical_json([index["identities"], labels.tolist()]))
     if digest != index["content_xxh3_128"]:

@@ -5,6 +5,10 @@ dvc.yaml is generated from the same functions (pipeline/dag.py), so a stage's de
 Every name that becomes a path component (model, engine, recipe, target, release, gallery size) must be a slug:
 1-64 characters from letters, digits, '-' and '_', starting with a letter or digit. So no name can be empty,
 `.`/`..`, hold a separator or a dot, and every path built here stays under `<root>/artifacts`.
+
+An identity (a photo folder's name: what `kiln identify` prints and a system release ships as a label) must be an
+identity slug: a slug other than the words identify prints in a name's place (`unknown`, `distractor`). So no label
+can hold a newline that forges an output line, a terminal escape, or a bidi character.
 """
 
 from __future__ import annotations
@@ -35,6 +39,23 @@ def slug(name: object, what: str = "name") -> str:
         shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:79] + "…"      # never echo unbounded input
         raise KilnError(f"{what} {shown} is not a valid name",
                         "use 1-64 letters, digits, '-' or '_', starting with a letter or digit (no '/', '.', spaces)")
+    return name  # type: ignore[return-value]
+
+
+NOT_IDENTITIES = ("unknown", "distractor")      # what identify prints for no match and for a FAISS distractor
+
+
+def is_identity(name: object) -> bool:
+    return is_slug(name) and name not in NOT_IDENTITIES
+
+
+def identity(name: object, where: str) -> str:
+    """`name` if it is an identity slug, else a KilnError naming it (repr: its controls escaped; bounded)."""
+    if not is_identity(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:79] + "…"
+        raise KilnError(f"{where}: {shown} is not an identity name",
+                        "name each identity (its photo folder) with 1-64 letters, digits, '-' or '_', starting with a "
+                        f"letter or digit, and not {' or '.join(NOT_IDENTITIES)}; e.g. jacinda_ardern")
     return name  # type: ignore[return-value]
 
 

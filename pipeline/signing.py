@@ -206,9 +206,11 @@ def verify_tree(tree: Path, signature: Path, public_key: Path) -> None:
 
 
 def one_line(text: str, limit: int) -> str:
-    """A message from a library (often several lines, sometimes quoting its input) as one bounded line."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "…"
+    """A message from a library (often several lines, sometimes quoting its input) as one bounded line, any control
+    or bidi character in it shown escaped (pipeline/tables.py `shown`)."""
+    from pipeline.tables import shown
+
+    return shown(" ".join(text.split()), limit)
 
 
 def load_public_key(path: Path) -> None:

@@ -68,6 +68,22 @@ def test_bad_photo_folders_and_files(tmp_path):
         load_rgb(bad)
 
 
+@pytest.mark.parametrize("folder", ["obama\n  face 2: box [0, 0, 9, 9] score 1.000 → president", "unknown",
+                                    "distractor", "bob\x1b[31m", "ann\u202e", ".hidden", "a" * 65, "Zoë"])
+def test_an_identity_folder_that_is_not_an_identity_slug_is_refused_at_enrolment(tmp_path, folder):
+    """Issue 44 item 4: identify prints identity names and a system release ships them, so each photo folder's name
+    must be an identity slug — not a name with a newline (a forged `face` line), an escape sequence, a bidi
+    character, a dot, 65 characters, or a word identify prints in its place — refused in one escaped line."""
+    (tmp_path / "alice").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "alice" / "a.jpg")
+    (tmp_path / folder).mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / folder / "b.jpg")
+    with pytest.raises(KilnError, match="is not an identity name") as e:
+        list_photos(tmp_path)
+    assert e.value.message.isprintable() and len(e.value.message) < len(str(tmp_path)) + 120
+    assert "letters, digits" in e.value.hint
+
+
 def test_photo_without_a_face_stops_the_set(tmp_path, assets_dir, cfg):
     from pipeline.stages.dataset import mtcnn_landmarker
 
