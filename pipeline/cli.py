@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline import catalog
 from pipeline.errors import KilnError
-from pipeline.stage import report_errors
+from pipeline.stage import printable_streams, report_errors
 
 
 def _cfg(args):
@@ -52,22 +52,38 @@ def cmd_identify(args) -> int:
                         "pass --release ARCHIVE --key KEY.pub, or drop --key")
     cfg = _cfg(args)
     name = args.system or DEFAULT_SYSTEM
-    tmp = None
-    release_dir = None
-    if args.release:
-        tmp = tempfile.TemporaryDirectory(prefix="kiln-release-")
-        release_dir = Path(tmp.name)
     cfg.system(name)                    # an unknown system: one clear error, before anything loads
+    if args.release:
+        with tempfile.TemporaryDirectory(prefix="kiln-release-") as tmp:
+            return _identify_production(args, cfg, name, Path(tmp), rgbs)
     if args.target == "pytorch":             # the reference system: PyTorch modules, or an ONNX model's own file
         system = System.eager(cfg, system=name)
     elif args.target == "fastest":
-        system = System.fastest(cfg, release_dir=release_dir, system=name)
+        system = System.fastest(cfg, system=name)
     elif args.target is None:           # the system as system@ gates it (its pins first), or in another precision
-        system = System.from_picks(cfg, name, resolve(cfg, name, None, args.precision), release_dir=release_dir,
-                                   system=name)
+        system = System.from_picks(cfg, name, resolve(cfg, name, None, args.precision), system=name)
     else:
-        system = System.from_engines(cfg, args.target or "ort-cpu", args.precision or "int8",
-                                     release_dir=release_dir, system=name)
+        system = System.from_engines(cfg, args.target or "ort-cpu", args.precision or "int8", system=name)
+    system.enroll()
+    if args.gallery:
+        system.use_index(args.gallery)
+    return _print_identities(system, rgbs)
+
+
+def _identify_production(args, cfg, name: str, scratch: Path, rgbs) -> int:
+    """`kiln identify --release` (no archive): the face system's production version — its pinned parts, downloaded
+    from the registry and verified — the one truth of what production runs (never each engine's own alias)."""
+    from pipeline.e2e import System
+    from pipeline.registry import systems
+
+    given = [f for f, v in (("--target", args.target), ("--precision", args.precision)) if v is not None]
+    if given:
+        raise KilnError(f"{given[0]} does not apply to --release: production runs the engines its production system "
+                        "version pins", f"drop {given[0]}, or run the local build without --release")
+    version, v, dirs = systems.fetch_production(cfg, name, scratch)
+    system = System.from_dirs(cfg, name, dirs, {p.model: p.engine for p in v.parts}, name,
+                              labels={p.model: f"{p.registered_model}:v{p.version}" for p in v.parts})
+    print(f"production: {systems.registered(name)} v{version} (its pins, downloaded and verified)")
     system.enroll()
     if args.gallery:
         system.use_index(args.gallery)
@@ -103,7 +119,9 @@ def _print_identities(system, rgbs) -> int:
     """Each photo's faces: box, score, identity (or `unknown`), nearest and distance; exit 1 if one has none."""
     from pipeline.data import MAX_SIDE
 
-    print("engines: " + ", ".join(f"{m}={e}" for m, e in system.engines.items()))
+    from pipeline.tables import shown
+
+    print("engines: " + ", ".join(f"{m}={shown(e)}" for m, e in system.engines.items()))
     missing = 0
     embedder = system.cfg.model(system.cfg.system(system.system).embedder)
     rule = f"cosine ≥ {embedder.verify_threshold}" if embedder.metric == "cosine" else f"L2 < {embedder.verify_threshold}"
@@ -117,8 +135,8 @@ def _print_identities(system, rgbs) -> int:
         print(f"{path}: {len(matches)} face{'s' if len(matches) > 1 else ''}{note}")
         for i, m in enumerate(matches):
             box = ", ".join(f"{v:.0f}" for v in m.box)
-            print(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {m.identity} "
-                  f"(nearest {m.nearest}, {m.metric} {m.distance:.3f}; same person when {rule})")
+            print(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {shown(m.identity, 64)} "   # a file's labels
+                  f"(nearest {shown(m.nearest, 64)}, {m.metric} {m.distance:.3f}; same person when {rule})")
     return 1 if missing else 0
 
 
@@ -236,8 +254,10 @@ def cmd_release(args) -> int:
 def cmd_verify_release(args) -> int:
     from pipeline import system_release
 
+    from pipeline.tables import shown
+
     for line in system_release.verify(Path(args.archive), Path(args.key)):     # an engine's or a system's
-        print(f"ok  {line}")
+        print(f"ok  {shown(line, 1000)}")                                      # it quotes the release's values
     print(f"verify-release: {args.archive} verified offline")
     return 0
 
@@ -275,12 +295,38 @@ def cmd_rebuild_check(args) -> int:
     return rebuild.main(_cfg(args), args.stage, cpu=args.cpu)
 
 
+MAX_REASON = 500       # characters of a `--reason`: one sentence, stored in the registry, replayed by `kiln history`
+
+
+def _reason(args) -> str | None:
+    """`--reason`, refused at the edge when it could not be shown as typed: longer than MAX_REASON, or holding a
+    control, format or line-separator character (an ESC sequence, an OSC 8 link, a newline, a bidi override); so
+    what the registry stores prints as typed. What a registry already holds is escaped when printed."""
+    from pipeline.tables import first_hidden, shown
+
+    reason = args.reason
+    if reason is not None and len(reason) > MAX_REASON:
+        raise KilnError(f"--reason is {len(reason)} characters; at most {MAX_REASON} are recorded",
+                        f"say why in one sentence (≤ {MAX_REASON} characters); link a ticket for the rest")
+    if reason is not None and (bad := first_hidden(reason)) is not None:
+        raise KilnError(f"--reason holds the control or format character {bad}: {shown(reason, 80)}",
+                        "use plain text: no escape sequences, newlines, tabs or bidi characters")
+    return reason
+
+
 def _print_move(m) -> None:
+    from pipeline.tables import shown
+
+    # the reason and actor come from the registry (and a user): escaped, bounded (+ the note promote may add)
+    reason, actor = shown(m.reason, MAX_REASON + 300), shown(m.actor, 100)
+    if m.action == "retire":
+        print(f"retire: {m.name}@{m.alias} v{m.from_version} removed ({reason})")
+        return
     if not m.changed:
         print(f"{m.action}: {m.name}@{m.alias} is already v{m.to_version}; nothing moved")
         return
     was = f"v{m.from_version}" if m.from_version is not None else "none"
-    print(f"{m.action}: {m.name}@{m.alias} {was} → v{m.to_version} by {m.actor} at {m.at} ({m.reason})")
+    print(f"{m.action}: {m.name}@{m.alias} {was} → v{m.to_version} by {actor} at {shown(m.at, 40)} ({reason})")
 
 
 def _system(args) -> bool:
@@ -289,49 +335,77 @@ def _system(args) -> bool:
 
 
 def _print_system_move(s) -> None:
+    from pipeline.tables import shown
+
     if s.compat is not None:
-        print(f"gallery-compat: {s.compat.summary()}")
-    for m in (*s.parts, s.system):
+        print(f"gallery-compat: {shown(s.compat.summary(), 1000)}")
+    for m in (*s.parts, *s.retired, s.system):
         _print_move(m)
+
+
+def _no_force(args) -> None:
+    if args.force:
+        raise KilnError("--force moves one engine past the production system that pins it; a system move is gated "
+                        "as a whole", "drop --force")
 
 
 def cmd_promote(args) -> int:
     from pipeline import registry
 
+    _reason(args)                         # before anything reads the registry
+
     if _system(args):
         from pipeline.registry import systems
 
+        _no_force(args)
         _print_system_move(systems.promote(_cfg(args), args.name, args.version, reason=args.reason,
                                            re_enroll=args.re_enroll))
         return 0
     if args.re_enroll:
         raise KilnError("--re-enroll is for a face system", "e.g. kiln promote --system dlib-mtcnn 2 --re-enroll")
-    _print_move(registry.promote(_cfg(args), args.name, args.version, reason=args.reason))
+    _print_move(registry.promote(_cfg(args), args.name, args.version, reason=args.reason, force=args.force))
     return 0
 
 
 def cmd_rollback(args) -> int:
     from pipeline import registry
 
+    _reason(args)
+
     if _system(args):
         from pipeline.registry import systems
 
+        _no_force(args)
         _print_system_move(systems.rollback(_cfg(args), args.name, reason=args.reason, re_enroll=args.re_enroll))
         return 0
     if args.re_enroll:
         raise KilnError("--re-enroll is for a face system", "e.g. kiln rollback --system dlib-mtcnn --re-enroll")
-    _print_move(registry.rollback(_cfg(args), args.name, reason=args.reason))
+    _print_move(registry.rollback(_cfg(args), args.name, reason=args.reason, force=args.force))
     return 0
 
 
 def cmd_register_system(args) -> int:
     from pipeline.registry import systems
 
+    from pipeline.tables import shown
+
     r = systems.register_system(_cfg(args), args.name, allow_failed=args.allow_failed)
     print(f"register-system: {'registered new version' if r.new else 'already registered as'} {r.name} v{r.version} "
-          f"(system gate {r.verdict}; sha256 {r.sha256[:12]}) at {r.tracking_uri}")
+          f"(system gate {shown(r.verdict, 40)}; sha256 {r.sha256[:12]}) at {shown(r.tracking_uri)}")
     for p in r.parts:
         print(f"  {p.model:<9} {p.registered_model} v{p.version}  manifest {p.xxh3_128}")
+    return 0
+
+
+def cmd_re_enroll(args) -> int:
+    from pipeline import system_release
+
+    if not args.system:
+        raise KilnError("re-enroll is for a face system", "e.g. kiln re-enroll --system dlib-mtcnn 2")
+    r = system_release.re_enroll(_cfg(args), args.name, args.version)
+    print(f"re-enroll: {r['system']} v{r['version']}: gallery enrolled by {r['embedder']} — {r['rows']} rows × "
+          f"{r['dim']}, sha256 {r['sha256'][:12]} on host class {r['host_class']} (recorded: run {r['run']}); now "
+          f"kiln promote --system {args.name} {r['version']} --re-enroll")
     return 0
 
 
@@ -345,6 +419,12 @@ def cmd_gallery_compat(args) -> int:
     return 1 if c.failures else 0
 
 
+def _warn_forged(forged: list[str]) -> None:
+    """Registry tags that say other than the run's record: one loud line each (the record is what was shown)."""
+    for line in forged:
+        print(f"kiln: WARNING: {line} — the tag was edited in the registry; shown: the record", file=sys.stderr)
+
+
 def cmd_history(args) -> int:
     from pipeline import registry, tables
     from pipeline.registry.registration import bench_rows
@@ -356,20 +436,23 @@ def cmd_history(args) -> int:
         args.name = systems.registered(args.name)
     moves = registry.history(cfg, args.name, alias=args.alias)
     if not moves:
-        print(f"history: no alias moves recorded for {args.name}")
-    else:
+        print(f"history: no alias moves recorded for {tables.shown(args.name)}")
+    else:       # every cell escaped and bounded by the table printer: a reason is a user's, the rest a registry's
         print(tables.markdown(["at (UTC)", "alias", "action", "from", "to", "actor", "reason"],
                               [(m.at, m.alias, m.action, "-" if m.from_version is None else f"v{m.from_version}",
-                                f"v{m.to_version}", m.actor, m.reason) for m in moves]))
+                                f"v{m.to_version}", m.actor, m.reason) for m in moves], max_cell=MAX_REASON + 300))
     if _system(args):
         from pipeline.registry import systems
 
-        print("\nversions:")
+        found, forged = systems.versions(cfg, args.name)
+        print("\nversions (as each version's run recorded them; * production):")
         print(tables.markdown(["version", "system gate", "embedder", "gallery", "parts"],
-                              [(f"v{v['version']}", v["verdict"], v["embedder"], v["gallery_compat"], v["parts"])
-                               for v in systems.versions(cfg, args.name)]))
+                              [(f"v{v['version']}" + (" *" if v["production"] else ""), v["verdict"], v["embedder"],
+                                v["gallery_compat"], v["parts"]) for v in found]))
+        _warn_forged(forged)
         return 0
-    rows = bench_rows(cfg, args.name)
+    rows, forged = bench_rows(cfg, args.name)
+    _warn_forged(forged)
     if rows:   # what each host class measured, one row per (version, host class): a second host adds its own
         speed = sorted({k for r in rows for k in r if k.endswith(("_p50_ms", "_speedup_vs_fp32"))})
         print("\nbench per host class:")
@@ -436,8 +519,8 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
                    help="preferred precision per graph (default int8 with --target); graphs without such an engine "
                         "use their FP32 engine")
     p.add_argument("--release", nargs="?", const=True, default=None, metavar="ARCHIVE",
-                   help="alone (after the photos): use each graph's MLflow `production` version (downloaded and "
-                        "verified) instead of the local build; with ARCHIVE: run the face system of a system release "
+                   help="alone (after the photos): run the face system's production version from the registry — "
+                        "the parts it pins, downloaded and verified — instead of the local build; with ARCHIVE: run the face system of a system release "
                         "(kiln release --system) from the verified archive alone — no checkout, no registry")
     p.add_argument("--key", help="with --release ARCHIVE: the publisher's public key (.pub) to verify it with")
     p.add_argument("--gallery", type=int, metavar="SIZE",
@@ -512,8 +595,10 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
                    "for a Zen 2 with AVX2 only): do the portable stages give this host's bytes on another ISA?")
     system_help = ("NAME is a face system (params.yaml `systems:`), registered as kiln-system-NAME by kiln "
                    "register-system: its version and every part move together")
-    re_enroll_help = ("a system whose embedder cannot read the production gallery (re-enroll required) is moved "
-                      "anyway: the gallery will be re-enrolled (recorded in the history)")
+    re_enroll_help = ("a system whose embedder cannot read the production gallery (re-enroll required) is moved, "
+                      "relying on the re-enrolment `kiln re-enroll --system NAME VERSION` recorded (in the history)")
+    force_help = ("an engine that a production face system pins at another version: move its own alias anyway "
+                  "(needs --reason; recorded). What production runs is still the system's pin")
     p = add("promote", cmd_promote, "move 'production' to a registered version after proving its stored files and "
             "its stored, digest-checked validation verdict (exit 1 if refused); --system: a whole face system")
     p.add_argument("name", help="registered model (kiln-<engine>), engine name, or with --system a system name")
@@ -521,12 +606,14 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
     p.add_argument("--reason", help="why (recorded in the release history)")
     p.add_argument("--system", action="store_true", help=system_help)
     p.add_argument("--re-enroll", action="store_true", help=re_enroll_help)
+    p.add_argument("--force", action="store_true", help=force_help)
     p = add("rollback", cmd_rollback, "move 'production' back to the version it held before the current one "
             "(--system: every part of the system's previous version at once)")
     p.add_argument("name", help="registered model (kiln-<engine>), engine name, or with --system a system name")
     p.add_argument("--reason", help="why (recorded in the release history)")
     p.add_argument("--system", action="store_true", help=system_help)
     p.add_argument("--re-enroll", action="store_true", help=re_enroll_help)
+    p.add_argument("--force", action="store_true", help=force_help)
     p = add("history", cmd_history, "show the recorded alias moves (register, promote, rollback) of a model")
     p.add_argument("name", help="registered model (kiln-<engine>), engine name, or with --system a system name")
     p.add_argument("--alias", help="only this alias (e.g. production)")
@@ -537,6 +624,12 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
     p.add_argument("name", help="system name from params.yaml `systems:`")
     p.add_argument("--allow-failed", action="store_true",
                    help="register a system whose gate failed (no alias; promote refuses it)")
+    p = add("re-enroll", cmd_re_enroll, "enrol the gallery with a system version's embedder exactly as its release "
+            "will, and record it: what promoting past `re-enroll required` (--re-enroll) needs first, and what that "
+            "version's releases are checked against")
+    p.add_argument("name", help="system name (params.yaml `systems:`) or kiln-system-NAME")
+    p.add_argument("version", help="the system version whose embedder enrols the gallery")
+    p.add_argument("--system", action="store_true", required=True, help="NAME is a face system (required)")
     p = add("gallery-compat", cmd_gallery_compat, "can CANDIDATE read a gallery PRODUCTION enrolled? probes "
             "embedded by the candidate against the production engine's enrolment of the golden set: top-1 "
             "agreement, decision flips, ΔTAR/ΔFAR beside same-engine probing (exit 1: re-enroll required)")
@@ -557,6 +650,7 @@ def build_parser(stages: list[catalog.Declared] | None = None) -> argparse.Argum
 
 
 def main(argv: list[str] | None = None) -> int:
+    printable_streams()                 # before argparse prints anything (--help, a usage error)
     argv = list(sys.argv[1:] if argv is None else argv)
     # Stage commands, `dag` and `deps` take their own arguments (the module's CLI): forward them as they are.
     i, forward = 0, []

@@ -63,7 +63,7 @@ class Release:
 
 # ---------------------------------------------------------------------------------------------- building a release
 def _resolve_version(reg, name: str, ref: str) -> int:
-    from pipeline.registry.releases import PRODUCTION
+    from pipeline.registry.releases import PRODUCTION, SYSTEMS, production_pins
 
     if ref.lstrip("v").isdigit():
         return int(ref.lstrip("v"))
@@ -73,6 +73,13 @@ def _resolve_version(reg, name: str, ref: str) -> int:
         raise KilnError(f"{name}: no version has the alias {ref!r}",
                         f"promote one first (kiln promote {name} VERSION)" if ref == PRODUCTION else
                         f"see the aliases with: kiln history {name}")
+    if ref == PRODUCTION:       # what production runs is the production system's pin, where a system runs it
+        for pin in production_pins(reg):
+            if pin.registered_model == name and pin.version != int(version):
+                system = pin.system.removeprefix(SYSTEMS)
+                raise KilnError(f"{name}: its production alias is v{version}, but production system {system} "
+                                f"v{pin.system_version} runs v{pin.version}", f"release the system (kiln release "
+                                f"--system {system}), or name the version: kiln release {name} {pin.version}")
     return int(version)
 
 
@@ -159,7 +166,7 @@ def _write(path: Path, obj: Any) -> None:
 
 def _read_json(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
 
@@ -197,13 +204,16 @@ def _writing(scratch: Path) -> Iterator[None]:
             from None
 
 
-def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str) -> bool:
+def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str, locked: bool = False) -> bool:
     """Tag the version and append a `release` entry (with the archive) to the release history, once per archive.
     The alias moves with its record (move_alias); a kill before the final tag leaves a recorded move that the next
-    release of the same archive completes instead of recording again."""
+    release of the same archive completes instead of recording again. `locked`: the caller holds the model's lock
+    (it resolved an alias under it), else it is taken here."""
+    from contextlib import nullcontext
+
     from pipeline.registry.releases import AliasMove, actor_name, move_alias, now, settle
 
-    with reg.lock(name):
+    with nullcontext() if locked else reg.lock(name):
         settle(reg, name)
         tags = reg.version(name, version).tags or {}
         if tags.get(RELEASE_TAG) == sha:

@@ -42,6 +42,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     matrix: list[dict[str, Any]] = field(default_factory=list)   # one cell per (engine, host class): host_matrix
     systems: dict[str, dict[str, Any]] | None = None   # system → its sysbench@ + bottleneck (None: not in scope)
+    production: list[dict[str, Any]] = field(default_factory=list)   # each face system's production version
 
 
 # ---------------------------------------------------------------------------------------------- collecting
@@ -78,7 +79,40 @@ def for_workspace(cfg, root: Path = Path(".")) -> Report:
     notes.append(where)
     return Report("Kiln build report", f"workspace {root.resolve().name}: {len(rows)} engines, "
                   f"{len(curves)} galleries", rows, curves, manifests, broken, notes, matrix,
-                  report_systems.collect(cfg, root))
+                  report_systems.collect(cfg, root), production_systems(cfg, root))
+
+
+def _registry_here(cfg, root: Path) -> bool:
+    """Whether a registry is configured or exists here (the report never creates one)."""
+    import os
+
+    from pipeline.registry.client import sqlite_path, tracking_uri
+
+    uri = tracking_uri(cfg, root)
+    return "MLFLOW_TRACKING_URI" in os.environ or (sqlite_path(uri) or Path("/nonexistent")).is_file()
+
+
+def production_systems(cfg, root: Path = Path(".")) -> list[dict[str, Any]]:
+    """Each registered face system's production version, its verdict and its parts, as the version's run recorded
+    them (what `kiln identify --release` runs and `kiln release --system` ships); [] without a registry."""
+    if not _registry_here(cfg, root):
+        return []
+    from pipeline.registry.client import Registry, errors
+    from pipeline.registry.releases import PARAM, pins, production_pins
+
+    out = []
+    try:
+        reg = Registry(cfg, root)
+        with errors(reg.uri):
+            for name in sorted({p.system for p in production_pins(reg)}):
+                version = reg.aliases(name)["production"]
+                mv = reg.version(name, version)
+                params = reg.client.get_run(mv.run_id).data.params if mv.run_id else {}
+                out.append({"system": name, "version": version, "verdict": params.get(PARAM + "verdict", "-"),
+                            "parts": [f"{p.model}={p.registered_model}:v{p.version}" for p in pins(reg, name, version)]})
+    except KilnError:
+        return []
+    return out
 
 
 NOT_FASTER = "not-faster-here"           # = gates/benchgate.NOT_FASTER
@@ -97,6 +131,7 @@ def _registry_cells(cfg, rows: list[dict], root: Path) -> tuple[list[dict], str]
         return [], "no registry here: the host-class matrix holds this workspace's bench only"
     from pipeline.registry import registration as reg_mod
     from pipeline.registry.client import Registry, errors, registered_name
+    from pipeline.registry.releases import PARAM
 
     cells = []
     try:
@@ -114,17 +149,17 @@ def _registry_cells(cfg, rows: list[dict], root: Path) -> tuple[list[dict], str]
                         digest = artifact_digest(read_manifest(mfile))
                     except KilnError:
                         digest = None
-                mine = [v for v in versions if (v.tags or {}).get("sha256") == digest]
+                runs = {v.version: registry.client.get_run(v.run_id).data.params if v.run_id else {}
+                        for v in versions}          # each version's record: immutable, unlike its tags
+                mine = [v for v in versions if runs[v.version].get(PARAM + "sha256") == digest]
                 v = (mine or sorted(versions, key=lambda v: int(v.version)))[-1]
-                tags, at = v.tags or {}, r.get("ranked_at", 1)
-                for hc in reg_mod.host_classes(tags):
-                    p50 = tags.get(f"bench.{hc}.b{at}_p50_ms")
-                    fp32 = tags.get(f"bench.{hc}.b{at}_speedup_vs_fp32")
+                params, at = runs[v.version], r.get("ranked_at", 1)
+                for hc, row in sorted(reg_mod.recorded_bench(params).items()):
+                    p50, fp32 = row.get(f"b{at}_p50_ms"), row.get(f"b{at}_speedup_vs_fp32")
                     cells.append({"model": r["model"], "engine": r["engine"], "target": r["target"],
-                                  "precision": r["precision"], "host_class": hc, "at": at,
-                                  "p50_ms": float(p50) if p50 else None, "vs_fp32": float(fp32) if fp32 else None,
-                                  "bench_gate": tags.get(f"bench.{hc}.verdict"), "validation": tags.get("validation"),
-                                  "source": f"{name} v{v.version}"})
+                                  "precision": r["precision"], "host_class": hc, "at": at, "p50_ms": p50,
+                                  "vs_fp32": fp32, "bench_gate": row["verdict"],
+                                  "validation": params.get(PARAM + "verdict"), "source": f"{name} v{v.version}"})
     except KilnError as e:
         return [], f"registry not read ({e}): the host-class matrix holds this workspace's bench only"
     return cells, f"host-class matrix: {len(cells)} registry row(s) from {redact_uri(uri)}, plus this workspace's bench"
@@ -208,7 +243,7 @@ def for_release(cfg, tree: Path) -> Report:
     """From a release tree only (release.json, engine/, chain/): deterministic like the archive itself."""
     from pipeline.roles import registry as roles
 
-    doc = json.loads((tree / "release.json").read_text())
+    doc = json.loads((tree / "release.json").read_text(encoding="utf-8"))
     manifest = read_manifest(tree / doc["manifest"])
     verdict = _read(tree / "engine" / "kiln" / paths.VALIDATION_FILE) or {}
     bench_doc = _read(tree / "engine" / "kiln" / paths.BENCH_FILE) or {}
@@ -243,7 +278,7 @@ def for_release(cfg, tree: Path) -> Report:
 
 def _read(path: Path) -> Any:
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
@@ -440,6 +475,14 @@ def render(r: Report) -> str:
     parts.append("</div>")
     if r.systems is not None:
         parts += report_systems.section(r.systems)
+    if r.production:
+        parts.append('<h2 id="production">In production (the registry)</h2><p class="sub">Each face system\'s '
+                     "production version as its registered run recorded it: what a release of it ships.</p>"
+                     '<table class="production"><tr><th class="l">system</th><th>version</th><th class="l">system '
+                     'gate</th><th class="l">parts</th></tr>')
+        parts += [f'<tr><td class="l">{_e(x["system"])}</td><td>v{_e(x["version"])}</td><td class="l">'
+                  f'{_e(x["verdict"])}</td><td class="l">{_e(", ".join(x["parts"]))}</td></tr>' for x in r.production]
+        parts.append("</table>")
     parts.append(f'<h2 id="provenance">Provenance ({len(r.manifests)} artifacts)</h2>'
                  '<p class="sub">Each box is an artifact with a manifest; an arrow runs from an input to what was '
                  'built from it. Red: its files or links did not verify.</p>')

@@ -26,7 +26,10 @@ release's; a system release names each engine by its identity digest.
 `check_content` is what `verify-release` adds offline after the signature holds: the system manifest and its
 content digest, the pins (each shipped engine's identity digest IS the system version's pin), each engine's
 verdict, the config slice against the system manifest, the gallery against the pinned embedder and the enrolment
-set, the SLSA subjects. `deployed` builds the System from a verified, extracted tree alone: no checkout, no DVC, no
+set, that the tree holds exactly the files its manifests declare, the gallery as identify will read it (`check_gallery`:
+the .npy header alone first — C-order little-endian float32 of rows × the embedder's output width recorded at release
+time, exactly that many bytes, bounded — then finite, bounded values through a memory map; identity-slug labels, one
+per row), the SLSA subjects. `deployed` builds the System from a verified, extracted tree alone: no checkout, no DVC, no
 registry, no params.yaml.
 """
 
@@ -55,6 +58,7 @@ SYSTEM_DIR, ENGINES_DIR, CONFIG_FILE, GALLERY_DIR = "system", "engines", "config
 EMBEDDINGS, LABELS = "embeddings.npy", "labels.json"
 TOP_DOCS = ("release.json", "lockfiles.json", "slsa-provenance.json")     # about the payload, not in it
 SECTIONS = ("data", "models", "engines", "systems")                      # what a system@ params slice holds
+COMPAT_VERDICTS = ("compatible", "re-enroll required")                   # pipeline/gates/gallery_compat.py
 
 
 # ---------------------------------------------------------------------------------------------- the config slice
@@ -127,7 +131,7 @@ def build(cfg, system: str, ref: str = "production", root: Path = Path("."), key
     deterministic archive; recorded in the registry like an engine release (alias `release`, history)."""
     from pipeline.registry import systems
     from pipeline.registry.client import Registry, errors
-    from pipeline.registry.releases import KILN_DIR, PARAM, _gate, download_verified
+    from pipeline.registry.releases import KILN_DIR, settle
 
     root = Path(root)
     key = signing.key_path(str(key) if key else None)
@@ -140,53 +144,128 @@ def build(cfg, system: str, ref: str = "production", root: Path = Path("."), key
     with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-release-") as tmp, release._writing(Path(tmp)):
         scratch = Path(tmp)
         systems._require(reg, name)
-        version = _resolve(reg, name, system, ref)
-        v, _ = systems._prove(reg, name, version, scratch / "proof")        # what promote demands, and more
-        rel = f"{name}-v{version}"
-        tree = scratch / rel
-        sdir = tree / SYSTEM_DIR
-        for f in (paths.SYSTEM_FILE, paths.VERDICT_FILE, manifest_path(Path(""), system).as_posix(),
-                  f"{KILN_DIR}/{systems.PARTS_FILE}"):
-            release._copy(v.directory / f, sdir / f)
-        parts = []
-        for p in v.parts:
-            ev = download_verified(reg, p.registered_model, p.version, scratch / "download" / p.engine)
-            if (identity_digest(ev.manifest), ev.params.get(PARAM + "sha256")) != (p.xxh3_128, p.sha256):
-                raise GateFailed(f"{name} v{version}: its part {p.registered_model} v{p.version} is no longer the "
-                                 "build the system pinned", "register the system again (kiln register-system)")
-            _gate(reg, p.registered_model, p.version, ev, scratch / "attached" / p.engine)
-            if ev.verdict.get("verdict") != "pass":          # a system's engines all ran on system@'s host
-                raise GateFailed(f"{p.registered_model} v{p.version}: its stored verdict is not pass",
-                                 "validate it on a host with its runtime, then register the system again")
-            edir = tree / ENGINES_DIR / p.engine
-            for f in [e["path"] for e in ev.manifest["files"]] + [manifest_path(Path(""), p.engine).as_posix()]:
-                release._copy(ev.directory / f, edir / f)
-            for f in sorted((ev.directory / KILN_DIR).iterdir()):
-                release._copy(f, edir / KILN_DIR / f.name)
-            parts.append({**asdict(p), "dir": f"{ENGINES_DIR}/{p.engine}",
-                          "validation_manifest_xxh3_128": ev.params[PARAM + "validation_manifest_xxh3_128"]})
+        with reg.lock(name):          # the alias read and the record under the lock every move takes
+            settle(reg, name)
+            version = _resolve(reg, name, system, ref)
+            v, _ = systems._prove(reg, name, version, scratch / "proof")        # what promote demands, and more
+            rel = f"{name}-v{version}"
+            tree = scratch / rel
+            sdir = tree / SYSTEM_DIR
+            for f in (paths.SYSTEM_FILE, paths.VERDICT_FILE, manifest_path(Path(""), system).as_posix(),
+                      f"{KILN_DIR}/{systems.PARTS_FILE}"):
+                release._copy(v.directory / f, sdir / f)
+            parts = _stage_parts(reg, name, version, v, tree, scratch)
+            values = v.manifest["params"]["values"]
+            release._write(tree / CONFIG_FILE, values)
+            gallery = _enrol(tree, v, deploy_config(values, tree / CONFIG_FILE), root)
+            re_enrolled = _check_re_enrolment(reg, name, version, gallery, tree / GALLERY_DIR)
+            doc = {"schema": SCHEMA, "kind": "system", "registered_model": name, "version": version, "system": system,
+                   "artifact": systems.PREFIX + system,
+                   "system_manifest": f"{SYSTEM_DIR}/{manifest_path(Path(''), system).as_posix()}",
+                   "system_manifest_xxh3_128": identity_digest(v.manifest),
+                   "system_sha256": systems._content(system, v.manifest, v.parts),
+                   "verdict": v.verdict.get("verdict"), "parts": parts, "config": CONFIG_FILE, "gallery": gallery,
+                   "gallery_compat": _compat(reg, name, version, re_enrolled)}
+            payload = _payload(tree)
+            lockfiles = attestation.lockfiles()
+            release._write(tree / "release.json", doc)
+            release._write(tree / "lockfiles.json", lockfiles)
+            release._write(tree / "slsa-provenance.json", _statement(reg, tree, doc, v, payload, lockfiles))
+            signing.sign_tree(tree, scratch / f"{rel}{release.SIG_SUFFIX}", key)
+            dest = out_dir / f"{rel}.tar.gz"
+            staged = scratch / "archive.tar.gz"
+            sha = release.write_archive(staged, scratch, [rel, f"{rel}{release.SIG_SUFFIX}"])
+            release._place(staged, dest, sha)
+            recorded = release._record(reg, name, version, str(ref), dest, sha, locked=True)
+    return release.Release(dest, sha, name, version, recorded)
+
+
+def _stage_parts(reg, name: str, version: int, v, tree: Path, scratch: Path) -> list[dict[str, Any]]:
+    """Each pinned part downloaded, proven (its pin, its stored verdict) and copied to tree/engines/<engine>/;
+    release.json's rows of them."""
+    from pipeline.registry.releases import KILN_DIR, PARAM, _gate, download_verified
+
+    parts = []
+    for p in v.parts:
+        ev = download_verified(reg, p.registered_model, p.version, scratch / "download" / p.engine)
+        if (identity_digest(ev.manifest), ev.params.get(PARAM + "sha256")) != (p.xxh3_128, p.sha256):
+            raise GateFailed(f"{name} v{version}: its part {p.registered_model} v{p.version} is no longer the "
+                             "build the system pinned", "register the system again (kiln register-system)")
+        _gate(reg, p.registered_model, p.version, ev, scratch / "attached" / p.engine)
+        if ev.verdict.get("verdict") != "pass":          # a system's engines all ran on system@'s host
+            raise GateFailed(f"{p.registered_model} v{p.version}: its stored verdict is not pass",
+                             "validate it on a host with its runtime, then register the system again")
+        edir = tree / ENGINES_DIR / p.engine
+        for f in [e["path"] for e in ev.manifest["files"]] + [manifest_path(Path(""), p.engine).as_posix()]:
+            release._copy(ev.directory / f, edir / f)
+        for f in sorted((ev.directory / KILN_DIR).iterdir()):
+            release._copy(f, edir / KILN_DIR / f.name)
+        parts.append({**asdict(p), "dir": f"{ENGINES_DIR}/{p.engine}",
+                      "validation_manifest_xxh3_128": ev.params[PARAM + "validation_manifest_xxh3_128"]})
+    return parts
+
+
+def _gallery_sha256(gdir: Path) -> str:
+    """One digest of an enrolled gallery: its embeddings file and its labels file, as released."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in (EMBEDDINGS, LABELS):
+        data = (gdir / f).read_bytes()
+        h.update(f"{f}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def re_enroll(cfg, system: str, version: int | str, root: Path = Path(".")) -> dict[str, Any]:
+    """`kiln re-enroll --system NAME VERSION`: enrol the gallery with version VERSION's embedder exactly as its
+    release will (the same parts, config slice and enrolment set: `_enrol`), and record it in the registry
+    (`kiln-enrolments`, immutable parameters) — the step a `re-enroll required` promotion needs first, and what a
+    release of that version is later checked against."""
+    from pipeline.registry import systems
+    from pipeline.registry.client import Registry, errors
+    from pipeline.toolchain import host_class
+
+    name, system, root = systems.registered(system), systems.system_name(system), Path(root)
+    version = systems._version(version)
+    reg = Registry(cfg, root)
+    with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-enrol-") as tmp:
+        scratch = Path(tmp)
+        systems._require(reg, name)
+        v, _ = systems._prove(reg, name, version, scratch / "proof")
+        tree = scratch / "tree"
+        _stage_parts(reg, name, version, v, tree, scratch)
         values = v.manifest["params"]["values"]
         release._write(tree / CONFIG_FILE, values)
         gallery = _enrol(tree, v, deploy_config(values, tree / CONFIG_FILE), root)
-        doc = {"schema": SCHEMA, "kind": "system", "registered_model": name, "version": version, "system": system,
-               "artifact": systems.PREFIX + system,
-               "system_manifest": f"{SYSTEM_DIR}/{manifest_path(Path(''), system).as_posix()}",
-               "system_manifest_xxh3_128": identity_digest(v.manifest),
-               "system_sha256": systems._content(system, v.manifest, v.parts),
-               "verdict": v.verdict.get("verdict"), "parts": parts, "config": CONFIG_FILE, "gallery": gallery,
-               "gallery_compat": _compat(reg, name, version)}
-        payload = _payload(tree)
-        lockfiles = attestation.lockfiles()
-        release._write(tree / "release.json", doc)
-        release._write(tree / "lockfiles.json", lockfiles)
-        release._write(tree / "slsa-provenance.json", _statement(reg, tree, doc, v, payload, lockfiles))
-        signing.sign_tree(tree, scratch / f"{rel}{release.SIG_SUFFIX}", key)
-        dest = out_dir / f"{rel}.tar.gz"
-        staged = scratch / "archive.tar.gz"
-        sha = release.write_archive(staged, scratch, [rel, f"{rel}{release.SIG_SUFFIX}"])
-        release._place(staged, dest, sha)
-        recorded = release._record(reg, name, version, str(ref), dest, sha)
-    return release.Release(dest, sha, name, version, recorded)
+        doc = {"embedder": gallery["embedder"], "embedder_xxh3_128": gallery["embedder_xxh3_128"],
+               "enrolment_xxh3_128": gallery["enrolment_xxh3_128"], "rows": gallery["rows"], "dim": gallery["dim"],
+               "sha256": _gallery_sha256(tree / GALLERY_DIR), "host_class": host_class()}
+        return {**doc, "run": systems.record_enrolment(reg, name, version, doc), "system": name, "version": version}
+
+
+def _check_re_enrolment(reg, name: str, version: int, gallery: dict[str, Any], gdir: Path) -> dict[str, Any] | None:
+    """When this version was promoted past `re-enroll required`, the gallery a release enrols now is checked against
+    the re-enrolment that promotion relied on: the same embedder build, enrolment set, rows and dimension — and,
+    enrolled on the same host class, the same bytes. None when no re-enrolment was needed."""
+    from pipeline.registry.releases import recorded
+    from pipeline.registry.systems import COMPAT
+    from pipeline.toolchain import host_class
+
+    rec = recorded(reg, name, version, COMPAT)
+    if rec.get("re_enroll") != "true":
+        return None
+    enrolled = json.loads(rec.get("enrolment") or "{}")
+    mine = {"embedder_xxh3_128": gallery["embedder_xxh3_128"], "enrolment_xxh3_128": gallery["enrolment_xxh3_128"],
+            "rows": str(gallery["rows"]), "dim": str(gallery["dim"])}
+    if enrolled.get("host_class") == host_class():      # the same kernels: the same bytes, or something changed
+        mine["sha256"] = _gallery_sha256(gdir)
+    if bad := [k for k, val in mine.items() if enrolled.get(k) != val]:
+        raise GateFailed(f"{name} v{version}: the gallery enrolled now differs from the re-enrolment its promotion "
+                         f"relied on (run {enrolled.get('run', '?')}): {bad[0]} {mine[bad[0]]} vs "
+                         f"{str(enrolled.get(bad[0]))[:64]}", "re-enrol again (kiln re-enroll --system), then "
+                         "promote with --re-enroll")
+    return {k: enrolled.get(k) for k in ("run", "sha256", "rows", "dim", "embedder", "host_class")}
 
 
 def _enrol(tree: Path, v, dcfg, root: Path) -> dict[str, Any]:
@@ -243,12 +322,17 @@ def _enrol(tree: Path, v, dcfg, root: Path) -> dict[str, Any]:
             "dim": int(emb.shape[1]), "identities": len(set(labels))}
 
 
-def _compat(reg, name: str, version: int) -> dict[str, Any] | None:
-    """What promote measured of this version's embedder against the production gallery (None: never measured)."""
-    tags = reg.version(name, version).tags or {}
-    if "gallery_compat" not in tags:
+def _compat(reg, name: str, version: int, re_enrolled: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The gallery check the newest production move of this version decided by, as that move's run recorded it
+    (parameters, never the version's editable tags); None: never measured (the same embedder, or never promoted)."""
+    from pipeline.registry.releases import recorded
+    from pipeline.registry.systems import COMPAT
+
+    rec = recorded(reg, name, version, COMPAT)
+    if not rec:
         return None
-    return {"verdict": tags["gallery_compat"], "vs": tags.get("gallery_compat.vs")}
+    return {"verdict": rec.get("verdict"), "vs": rec.get("vs"), "limits": json.loads(rec.get("limits") or "{}"),
+            "re_enroll": rec.get("re_enroll") == "true", **({"re_enrolment": re_enrolled} if re_enrolled else {})}
 
 
 def _payload(tree: Path) -> dict[str, str]:
@@ -271,7 +355,8 @@ def _statement(reg, tree: Path, doc: dict, v, payload: dict[str, str], lockfiles
     gallery = node(doc["gallery"]["manifest"], f"release --system {doc['system']}")
     chain = {**node(doc["system_manifest"], f"system@{doc['system']}"),
              "inputs": [{"node": n} for n in (*engines, gallery)]}
-    commit = (reg.version(doc["registered_model"], doc["version"]).tags or {}).get("git_commit", "")
+    mv = reg.version(doc["registered_model"], doc["version"])      # the run's record, not the editable tag
+    commit = (reg.client.get_run(mv.run_id).data.params if mv.run_id else {}).get("kiln.git_commit", "")
     record = {"stage": f"system@{doc['system']}"} | (
         {"git": {"commit": commit}} if re.fullmatch(r"[0-9a-f]{40}", commit) else {})
     verdict = {"verdict": v.verdict.get("verdict"), "metrics": v.verdict.get("metrics") or {}}
@@ -294,8 +379,6 @@ def _fail(what: str, why: str) -> GateFailed:
 def check_content(tree: Path, signed_name: str) -> list[str]:
     """Check a signed system release tree offline (after its signature holds); returns what was checked, raises
     GateFailed at the first failure."""
-    import numpy as np
-
     from pipeline.manifest import sha256_file
     from pipeline.registry import systems
 
@@ -401,16 +484,12 @@ def check_content(tree: Path, signed_name: str) -> list[str]:
     if identity_digest(gm) != g.get("manifest_xxh3_128") or \
             (g.get("embedder"), g.get("embedder_xxh3_128")) != (embedder.engine, embedder.xxh3_128):
         raise _fail("release.json", "its gallery entry is not the shipped gallery")
-    labels = _doc(tree / GALLERY_DIR / LABELS, f"{GALLERY_DIR}/{LABELS}")
-    try:
-        emb = np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False, mmap_mode="r")
-    except (OSError, ValueError) as e:
-        raise _fail(f"{GALLERY_DIR}/{EMBEDDINGS}", f"not a numpy array ({type(e).__name__})") from None
-    rows = (gm.get("build") or {}).get("rows")
-    if emb.dtype != np.float32 or emb.ndim != 2 or emb.shape[0] != rows or not np.isfinite(emb).all() or \
-            not isinstance(labels, list) or len(labels) != rows or not all(isinstance(x, str) for x in labels):
-        raise _fail(f"{GALLERY_DIR}/", f"{EMBEDDINGS} and {LABELS} are not {rows} float32 rows with a name each")
-    done.append(f"gallery: {emb.shape[0]} enrolment embeddings × {emb.shape[1]} of {len(set(labels))} identities, "
+    if sorted(str(e.get("path")) for e in gm["files"]) != sorted((EMBEDDINGS, LABELS)):
+        raise _fail(grel, f"its files are not exactly {EMBEDDINGS} and {LABELS}")
+    rows, dim = _gallery_shape(gm, g, grel)
+    _declared_files(tree, system, parts)                  # nothing else in the tree, nothing missing
+    labels = check_gallery(tree / GALLERY_DIR, rows, dim)
+    done.append(f"gallery: {rows} enrolment embeddings × {dim} of {len(set(labels))} identities, "
                 f"made by {embedder.engine} (manifest {embedder.xxh3_128[:8]}) = the pinned embedder, from the "
                 f"enrolment set system@ gated ({described.get('enrolment_xxh3_128', '')[:8]})")
     # the statement
@@ -425,12 +504,130 @@ def check_content(tree: Path, signed_name: str) -> list[str]:
     done.append(f"slsa: {len(subjects)} subject(s) = every released file; "
                 f"{len(st['predicate']['buildDefinition']['resolvedDependencies'])} resolved dependencies")
     compat = doc.get("gallery_compat")
+    if compat is not None and (not isinstance(compat, dict) or compat.get("verdict") not in COMPAT_VERDICTS):
+        raise _fail("release.json", "its gallery_compat is not a verdict a gallery check gives")
     if compat:
         done.append(f"gallery-compat at promotion: {str(compat.get('verdict'))[:40]} vs "
                     f"{str(compat.get('vs'))[:100]}" + ("; a gallery enrolled by that engine must be re-enrolled "
                                                          "with this release's embedder" if
                                                          compat.get("verdict") != "compatible" else ""))
+    if compat and isinstance(enrolled := compat.get("re_enrolment"), dict):      # the check release --system made
+        shipped = _gallery_sha256(tree / GALLERY_DIR)
+        if enrolled.get("sha256") == shipped:
+            done.append(f"re-enrolment at promotion (run {str(enrolled.get('run'))[:40]}): this gallery, byte for byte")
+        elif str(enrolled.get("host_class")) == str((gm.get("toolchain") or {}).get("host_class")):
+            raise _fail(f"{GALLERY_DIR}/{EMBEDDINGS}", "not the gallery re-enrolled at promotion on the same host "
+                        f"class (sha256 {shipped[:12]} vs {str(enrolled.get('sha256'))[:12]})")
+        else:
+            done.append(f"re-enrolment at promotion (run {str(enrolled.get('run'))[:40]}): enrolled on host class "
+                        f"{str(enrolled.get('host_class'))[:40]}, this gallery on another")
     return done
+
+
+# Bounds on a release's gallery, checked from the .npy header before a byte of it is read. The gallery is the
+# enrolment set's un-augmented chips (tens of rows); identify searches it by brute force, holding a (faces × rows ×
+# dim) float32 difference, so 100 000 rows of ≤ 4096 (a 512-d embedder: 200 MB per face searched) is past anything
+# it can serve — a larger gallery is a FAISS index, never part of a system release. |values| ≤ 1e6: any real
+# embedding is far inside, and squared L2 distances over 4096 dims of such values cannot overflow float32.
+MAX_GALLERY_ROWS, MAX_GALLERY_DIM, MAX_GALLERY_ABS = 100_000, 4096, 1e6
+_CHUNK = 1 << 22                  # values checked at a time (16 MiB): the memory-mapped file is never read whole
+
+
+def _count(value: Any, low: int, high: int) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high else None
+
+
+def _gallery_shape(gm: dict, g: dict, grel: str) -> tuple[int, int]:
+    """(rows, dim) of the gallery: as its manifest recorded them when the pinned embedder made it at release time
+    (dim = the embedder's output width), the same in release.json, and within the bounds above."""
+    build = gm.get("build") or {}
+    rows, dim = _count(build.get("rows"), 1, MAX_GALLERY_ROWS), _count(build.get("dim"), 1, MAX_GALLERY_DIM)
+    if rows is None or dim is None:
+        raise _fail(grel, f"build rows {str(build.get('rows'))[:40]!r} × dim {str(build.get('dim'))[:40]!r}: a "
+                    f"gallery is 1-{MAX_GALLERY_ROWS} rows of the embedder's 1-{MAX_GALLERY_DIM}-d output")
+    if (g.get("rows"), g.get("dim")) != (rows, dim):
+        raise _fail("release.json", f"its gallery is {str(g.get('rows'))[:40]} × {str(g.get('dim'))[:40]}, the "
+                    f"gallery manifest's {rows} × {dim}")
+    return rows, dim
+
+
+def check_gallery(gdir: Path, rows: int, dim: int) -> list[str]:
+    """A release's gallery/ as identify will read it, checked without loading it: labels.json is `rows` identity
+    slugs; embeddings.npy's header says exactly C-order little-endian float32 (rows, dim) and the file is that many
+    bytes after it; every value is finite and |x| ≤ MAX_GALLERY_ABS (read through a memory map, in chunks).
+    Returns the labels; raises GateFailed naming the first problem."""
+    import numpy as np
+    from numpy.lib import format as npy
+
+    from pipeline.tables import shown
+
+    lrel, erel = f"{GALLERY_DIR}/{LABELS}", f"{GALLERY_DIR}/{EMBEDDINGS}"
+    labels = _doc(gdir / LABELS, lrel)
+    if not isinstance(labels, list) or len(labels) != rows:
+        raise _fail(lrel, f"not a list of {rows} identity names (one per gallery row)")
+    bad = next((i for i, x in enumerate(labels) if not paths.is_identity(x)), None)
+    if bad is not None:                   # printed by identify: a newline in one would forge an output line
+        raise _fail(lrel, f"row {bad}: {shown(repr(labels[bad]), 80)} is not an identity name (1-64 letters, digits, "
+                    "'-' or '_')")
+    path = gdir / EMBEDDINGS
+    try:
+        with open(path, "rb") as f:
+            version = npy.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                raise ValueError(f"format version {version}")
+            shape, fortran, dtype = (npy.read_array_header_1_0 if version == (1, 0) else
+                                     npy.read_array_header_2_0)(f)
+            offset = f.tell()
+    except (OSError, ValueError, SyntaxError, TypeError) as e:
+        raise _fail(erel, f"not a .npy array header ({shown(str(e), 100)})") from None
+    if dtype != np.dtype("<f4") or dtype.str != "<f4" or fortran or tuple(shape) != (rows, dim):
+        raise _fail(erel, f"{'Fortran' if fortran else 'C'}-order {dtype.str} {tuple(shape)}; the gallery is "
+                    f"C-order <f4 ({rows}, {dim}): {rows} rows × the embedder's {dim}-d output")
+    size = path.stat().st_size
+    if size != offset + rows * dim * 4:
+        raise _fail(erel, f"{size} bytes; its header declares {offset} + {rows}×{dim}×4 = {offset + rows * dim * 4}")
+    values = np.memmap(path, dtype="<f4", mode="r", offset=offset, shape=(rows * dim,))
+    try:
+        for at in range(0, rows * dim, _CHUNK):
+            chunk = values[at:at + _CHUNK]
+            if not np.isfinite(chunk).all():
+                raise _fail(erel, f"row {(at + int(np.argmin(np.isfinite(chunk)))) // dim} holds a NaN or infinity")
+            if np.abs(chunk).max() > MAX_GALLERY_ABS:
+                raise _fail(erel, f"row {(at + int(np.argmax(np.abs(chunk)))) // dim} holds a value beyond "
+                            f"±{MAX_GALLERY_ABS:g}; no embedder outputs that")
+    finally:
+        del values
+    return labels
+
+
+def _declared_files(tree: Path, system: str, parts) -> None:
+    """The tree holds exactly the files a system release declares: the top documents, system/ (its manifest's
+    files, the manifest, the pins), each engine's manifest files, manifest and kiln/ (its validation manifest and
+    that manifest's files; bench.json and build-record.json when registered with them), the config slice and
+    gallery/ (its manifest's two files and the manifest)."""
+    from pipeline.registry import systems
+    from pipeline.registry.registration import BENCH_FILE, RECORD_FILE
+    from pipeline.tables import shown
+
+    def listed(mrel: str) -> set[str]:
+        m = _manifest(tree / mrel, mrel)
+        base = str(Path(mrel).parent.as_posix())
+        return {mrel, *(f"{base}/{e['path']}" for e in m["files"])}
+
+    mname = manifest_path(Path(""), system).as_posix()
+    want = {*TOP_DOCS, CONFIG_FILE, f"{SYSTEM_DIR}/kiln/{systems.PARTS_FILE}", *listed(f"{SYSTEM_DIR}/{mname}"),
+            *listed(f"{GALLERY_DIR}/{mname}")}
+    optional = set()
+    for p in parts:
+        edir = f"{ENGINES_DIR}/{p.engine}"
+        want |= listed(f"{edir}/{p.engine}.manifest.json") | listed(f"{edir}/kiln/{p.engine}.manifest.json")
+        optional |= {f"{edir}/kiln/{BENCH_FILE}", f"{edir}/kiln/{RECORD_FILE}"}
+    have = {q.relative_to(tree).as_posix() for q in tree.rglob("*") if not q.is_dir()}
+    if extra := sorted(have - want - optional):
+        raise _fail(shown(extra[0], 200), "not a file this system release declares (its manifests, pins and "
+                    "documents)" + (f"; {len(extra) - 1} more" if len(extra) > 1 else ""))
+    if missing := sorted(want - have):
+        raise _fail(shown(missing[0], 200), "declared but not in the release")
 
 
 def check_any(tree: Path, signed_name: str) -> list[str]:
@@ -489,8 +686,21 @@ def deployed(tree: Path, checked: list[str] | None = None) -> Deployed:
     made.engines = {m: f"{e} ({doc['registered_model']} v{doc['version']})" for m, e in made.engines.items()}
     emb = np.array(np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False, mmap_mode="r"))   # checked above
     made.gallery = (emb, json.loads((tree / GALLERY_DIR / LABELS).read_bytes()))
+    made.embed = _same_width(made.embed, emb.shape[1], f"{doc['registered_model']} v{doc['version']}")
     return Deployed(made, doc["registered_model"], int(doc["version"]), list(checked or []))
 
 
-__all__ = ["Deployed", "SCHEMA", "build", "check_any", "check_content", "deploy_config", "deployed",
+def _same_width(embed, dim: int, what: str):
+    """The embedder, refusing in one line an output that is not (faces, dim): the gallery's width is what the release
+    recorded at build time; an embedder that disagrees would otherwise fail inside the search with a traceback."""
+    def run(x):
+        out = embed(x)
+        if getattr(out, "ndim", None) != 2 or out.shape[1] != dim:
+            raise GateFailed(f"{what}: its embedder outputs {tuple(getattr(out, 'shape', ()))}, its gallery holds "
+                             f"{dim}-d embeddings", "do not use this release")
+        return out
+    return run
+
+
+__all__ = ["Deployed", "SCHEMA", "build", "check_any", "check_content", "check_gallery", "deploy_config", "deployed",
            "is_system_release", "verified", "verify"]

@@ -534,8 +534,9 @@ def test_a_second_host_class_adds_its_bench_rows_to_the_same_version(cfg, root, 
     assert dict(c.get_model_version(r1.name, "1").tags) == second                        # nothing replaced
 
     from pipeline.registry.registration import bench_rows        # what `kiln history` shows per host class
-    assert [(r["version"], r["host_class"], r["verdict"], r["b1_p50_ms"], r["first"]) for r in
-            bench_rows(cfg, INT8, root)] == [(1, B, "not-faster-here", 5.0, False), (1, A, "pass", 2.0, True)]
+    rows, forged = bench_rows(cfg, INT8, root)
+    assert [(r["version"], r["host_class"], r["verdict"], r["b1_p50_ms"], r["first"]) for r in rows] == [
+        (1, B, "not-faster-here", 5.0, False), (1, A, "pass", 2.0, True)] and forged == []
 
     rows, _ = leaderboard.rows(cfg, root)                    # `kiln report`: the matrix engine × host class
     cells, _ = report.host_matrix(cfg, rows, root)
@@ -555,3 +556,61 @@ def test_a_second_host_class_adds_its_bench_rows_to_the_same_version(cfg, root, 
     out = capsys.readouterr().out
     assert "bench per host class" in out and "not faster here on host class x86-64-avx2" in out
     assert {l.split("|")[2].strip() for l in out.splitlines() if l.startswith("| v1 ")} == {A, B}
+
+
+def test_edited_bench_tags_are_never_shown_as_fact(cfg, root, monkeypatch, capsys):
+    """Issue 44 item 1: a host class never benched added to the tags, a flipped verdict and an edited number — made
+    through the public MLflow client — are not rows of `kiln history` nor cells of `kiln report`: both show what the
+    version's run recorded (immutable parameters), and history says loudly which tag disagrees."""
+    from pipeline import leaderboard, report
+    from pipeline.registry.registration import bench_rows
+
+    A, FORGED = "x86-64-avx512-vnni", "arm64-sve2"
+    make_engine(root, cfg, FP32, b"fp32")
+    make_engine(root, cfg, INT8, b"int8")
+    _bench_rows(root, cfg, "not-faster-here", b1_p50_ms=5.0, b1_speedup_vs_fp32=1.04)
+    r = register(cfg, INT8, root, host_class=A)
+    c = client()
+    for k, v in ((f"bench.{A}.verdict", "pass"), (f"bench.{A}.b1_p50_ms", "0.5"), ("kiln.host_classes", f"{A},{FORGED}"),
+                 (f"bench.{FORGED}.verdict", "pass"), (f"bench.{FORGED}.b1_p50_ms", "0.1")):
+        c.set_model_version_tag(r.name, "1", k, v)
+    rows, forged = bench_rows(cfg, INT8, root)
+    assert [(x["host_class"], x["verdict"], x["b1_p50_ms"]) for x in rows] == [(A, "not-faster-here", 5.0)]
+    assert len(forged) == 3 and any(FORGED in f for f in forged), forged
+
+    lrows, _ = leaderboard.rows(cfg, root)
+    cells, _ = report.host_matrix(cfg, lrows, root)
+    mine = {c_["host_class"]: c_ for c_ in cells if c_["engine"] == INT8}
+    assert set(mine) == {A} and mine[A]["bench_gate"] == "not-faster-here" and mine[A]["p50_ms"] == 5.0
+
+    shutil.copy(REPO / "params.yaml", root / "params.yaml")
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    assert cli.main(["history", r.name]) == 0
+    out, err = capsys.readouterr()
+    assert FORGED not in out and "not-faster-here" in out and "| pass" not in out
+    assert err.count("kiln: WARNING:") == 3 and FORGED in err and "Traceback" not in err
+
+
+def test_history_is_the_record_and_an_alias_moved_outside_kiln_is_said(cfg, root, capsys):
+    """Issue 44 items 1 and 2: a move's reason, actor and versions come from its run's parameters — a `reason` tag
+    edited through the MLflow client changes nothing shown — and a promote over an alias someone moved outside kiln
+    says so (one warning line) and records it in the move's reason."""
+    for payload in (b"one", b"two", b"three"):
+        make_engine(root, cfg, FP32, payload)
+        r = register(cfg, FP32, root)
+    registry.promote(cfg, r.name, 1, root, reason="first")
+    c = client()
+    run_id = c.get_model_version(r.name, "1").tags["production_release_run"]
+    c.set_tag(run_id, "reason", "\x1b]8;;https://evil.example\x07approved by security\x1b]8;;\x07")
+    c.set_tag(run_id, "actor", "the-ceo")
+    (m,) = registry.history(cfg, r.name, root, alias="production")
+    assert (m.reason, m.actor, m.to_version) == ("first", "alice", 1)
+
+    capsys.readouterr()
+    c.set_registered_model_alias(r.name, "production", "2")              # someone used the MLflow UI
+    moved = registry.promote(cfg, r.name, 3, root)
+    err = capsys.readouterr().err
+    assert err.count("kiln: WARNING:") == 1 and "moved outside kiln" in err and "v2" in err
+    assert moved.from_version == 2 and "moved outside kiln" in moved.reason
+    assert "moved outside kiln" in registry.history(cfg, r.name, root, alias="production")[-1].reason

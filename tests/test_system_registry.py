@@ -207,17 +207,25 @@ def test_promote_int8_system_then_roll_back_every_part(sysroot, registry_env, tm
     assert production(NAME) == 2 and production(f"kiln-{INT8}") == 1
     assert [m.changed for m in m2.parts if m.name != f"kiln-{INT8}"] == [False] * 4     # the detector unchanged
     assert f"gallery check: {INT8} vs gallery of {FP32}: compatible (" in m2.system.reason
+    assert [m.name for m in m2.retired] == [f"kiln-{FP32}"] and production(f"kiln-{FP32}") is None  # one truth
 
     fake = tmp_path / "fake"                                   # a second pnet build, promoted on its own
     make_engine(fake, c32, "pnet-ort-cpu-fp32", b"another pnet build")
     assert register_stage.run(c32, "pnet-ort-cpu-fp32", fake).version == 2
-    releases.promote(c32, "pnet-ort-cpu-fp32", 2, root)
+    with pytest.raises(KilnError, match=f"production system {SYSTEM} v2 runs v1 as its pnet") as e:
+        releases.promote(c32, "pnet-ort-cpu-fp32", 2, root)         # it would change what production runs
+    assert f"kiln promote --system {SYSTEM}" in e.value.hint and production("kiln-pnet-ort-cpu-fp32") == 1
+    with pytest.raises(KilnError, match="--force needs --reason"):
+        releases.promote(c32, "pnet-ort-cpu-fp32", 2, root, force=True)
+    forced = releases.promote(c32, "pnet-ort-cpu-fp32", 2, root, force=True, reason="hotfix")
+    assert forced.reason.startswith(f"FORCED past production system {SYSTEM} v2 (which pins v1): hotfix")
     assert production("kiln-pnet-ort-cpu-fp32") == 2
 
     back = systems.rollback(c32, SYSTEM, root, reason="int8 misbehaves")
     assert (back.system.from_version, back.system.to_version, back.system.action) == (2, 1, "rollback")
     assert production(NAME) == 1 and all(production(n) == v for n, v in v1.items())   # every part, together
-    assert {m.name for m in back.parts if m.changed} == {"kiln-pnet-ort-cpu-fp32"}
+    assert {m.name for m in back.parts if m.changed} == {"kiln-pnet-ort-cpu-fp32", f"kiln-{FP32}"}
+    assert [m.name for m in back.retired] == [f"kiln-{INT8}"] and production(f"kiln-{INT8}") is None
     with pytest.raises(KilnError, match="first production version"):
         systems.rollback(c32, SYSTEM, root)
 
@@ -258,15 +266,92 @@ def test_an_incompatible_embedder_needs_re_enroll(sysroot, registry_env, tmp_pat
     assert production(NAME) == 1 and production(f"kiln-{INT8}") is None
     assert client().get_model_version(NAME, "2").tags["gallery_compat"] == gallery_compat.RE_ENROLL
 
+    assert cli.main(["promote", f"kiln-system-{SYSTEM}", "2", "--re-enroll", "--reason", "gallery re-enrolled"]) == 1
+    err = capsys.readouterr().err                        # --re-enroll alone is a claim: the step must be recorded
+    assert "no re-enrolment of its gallery" in err and f"kiln re-enroll --system {SYSTEM} 2" in err
+    assert production(NAME) == 1
+    assert cli.main(["re-enroll", "--system", SYSTEM, "2"]) == 0
+    out = capsys.readouterr().out
+    enrolled = systems.enrolments(releases.Registry(strict, root), NAME, 2)[-1]
+    assert f"gallery enrolled by {INT8}" in out and enrolled["run"] in out and int(enrolled["dim"]) == 128
+
     assert cli.main(["promote", f"kiln-system-{SYSTEM}", "2", "--re-enroll", "--reason", "gallery re-enrolled"]) == 0
     out = capsys.readouterr().out
     assert f"{NAME}@production v1 → v2" in out and "re-enroll" in out
     assert production(NAME) == 2 and production(f"kiln-{INT8}") == 1
     last = releases.history(strict, NAME, root, alias="production")[-1]
-    assert last.to_version == 2 and last.reason.startswith("gallery re-enrolled; re-enroll: the gallery will be "
-                                                           f"re-enrolled with {INT8}")
+    assert last.to_version == 2 and last.reason.startswith("gallery re-enrolled; re-enroll: the gallery was "
+                                                           f"re-enrolled with {INT8} (run {enrolled['run']}")
     run = client().get_run(client().get_model_version(NAME, "2").tags["production_release_run"])
     assert run.data.tags["re_enroll"] == "true" and run.data.tags["gallery_compat"] == gallery_compat.RE_ENROLL
+    recorded = releases.recorded(releases.Registry(strict, root), NAME, 2, systems.COMPAT)   # the decision's record
+    assert recorded["verdict"] == gallery_compat.RE_ENROLL and recorded["re_enroll"] == "true"
+    assert json.loads(recorded["limits"])["distance_delta_max"] == 0.0 and "distance_delta_max" in recorded["failures"]
+    assert json.loads(recorded["enrolment"])["sha256"] == enrolled["sha256"]
+
+    from pipeline import signing, system_release                  # the release is checked against the re-enrolment
+    key, pub = signing.keygen(tmp_path / "keys" / "signing.pem")
+    r = system_release.build(strict, SYSTEM, "production", root, key, tmp_path / "out")
+    assert cli.main(["verify-release", str(r.archive), "--key", str(pub)]) == 0
+    assert f"re-enrolment at promotion (run {enrolled['run']}): this gallery, byte for byte" in capsys.readouterr().out
+
+
+@slow
+def test_every_command_names_the_production_systems_record(sysroot, registry_env, tmp_path, capsys, monkeypatch):
+    """Issue 44 items 1 and 2 (done when): after system moves, engine-level moves and tag edits made through the
+    public MLflow client, `kiln identify --release`, `kiln release --system`, `kiln history --system` and `kiln
+    report` all name the production system version's parts and verdicts as its run recorded them — never a tag,
+    never an engine's own alias."""
+    import tarfile
+
+    from pipeline import signing, system_release
+    from pipeline.data import list_photos
+    from test_registry import make_engine
+
+    root = sysroot["root"]
+    c32, c8 = two_versions(sysroot)
+    systems.promote(c32, SYSTEM, 1, root, reason="fp32 first")
+    systems.promote(c8, SYSTEM, 2, root, reason="int8 next")               # gallery check: compatible
+    c = client()
+    for version in ("1", "2"):                                              # forged tags, every kind
+        for tag, value in (("gallery_compat", "compatible (signed off by security, see https://evil.example)"),
+                           ("parts", "embedder=kiln-evil:v9"), ("embedder", "evil"), ("validation", "fail")):
+            c.set_model_version_tag(NAME, version, tag, value)
+    releases.promote(c8, FP32, 1, root, reason="a third embedder alias")     # not pinned by production: allowed
+    fake = tmp_path / "fake"                                                # pinned at another version: refused
+    make_engine(fake, c32, "pnet-ort-cpu-fp32", b"another pnet build")
+    assert register_stage.run(c32, "pnet-ort-cpu-fp32", fake).version == 2
+    with pytest.raises(KilnError, match="runs v1 as its pnet"):
+        releases.promote(c8, "pnet-ort-cpu-fp32", 2, root)
+    assert production(NAME) == 2 and production(f"kiln-{INT8}") == 1 and production("kiln-pnet-ort-cpu-fp32") == 1
+
+    shutil.copy(c8.source, root / "params.yaml")
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    photo = list_photos(root / c8.data.photos)[3].path
+    assert cli.main(["identify", str(photo), "--release"]) == 0
+    out = capsys.readouterr().out
+    assert f"production: {NAME} v2" in out and f"embedder=kiln-{INT8}:v1" in out and FP32 not in out
+
+    key, _ = signing.keygen(tmp_path / "keys" / "signing.pem")
+    r = system_release.build(c8, SYSTEM, "production", root, key, tmp_path / "out")
+    with tarfile.open(r.archive) as tar:
+        doc = json.loads(tar.extractfile(f"{NAME}-v2/release.json").read())
+    assert doc["version"] == 2 and doc["verdict"] == "pass"
+    assert {p["model"]: p["registered_model"] for p in doc["parts"]}["embedder"] == f"kiln-{INT8}"
+    assert doc["gallery_compat"]["verdict"] == gallery_compat.COMPATIBLE            # the move's record
+    assert "evil" not in json.dumps(doc) and doc["gallery_compat"]["vs"] == f"{FP32} (v1)"
+
+    assert cli.main(["history", "--system", SYSTEM]) == 0
+    out, err = capsys.readouterr()
+    v2 = next(l for l in out.splitlines() if l.startswith("| v2 *"))
+    assert f"embedder=kiln-{INT8}:v1" in v2 and "| pass " in v2 and "| compatible " in v2 and "evil" not in out
+    assert err.count("kiln: WARNING:") == 8 and "evil" in err                          # 4 forged tags × 2 versions
+
+    from pipeline import report
+    (prod,) = report.production_systems(c8, root)                                     # `kiln report`
+    assert (prod["system"], prod["version"], prod["verdict"]) == (NAME, 2, "pass")
+    assert f"embedder=kiln-{INT8}:v1" in prod["parts"] and "evil" not in json.dumps(prod)
 
 
 @slow

@@ -192,6 +192,83 @@ def test_a_re_signed_inconsistent_system_release_fails(released, tmp_path, case)
     assert expected in e.value.message, e.value.message
 
 
+def _regallery(tree: Path, npy: bytes | None = None, labels: list | None = None, rows: int | None = None) -> None:
+    """gallery/ edited (and its row count, where `rows`), its manifest's file digests and release.json's digest of
+    that manifest made again, as a signer with the publisher's key would."""
+    from pipeline.manifest import file_digests, identity_digest
+
+    g = tree / "gallery"
+    for name, data in (("embeddings.npy", npy), ("labels.json", None if labels is None else json.dumps(labels))):
+        if data is not None:
+            (g / name).unlink()
+            (g / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    m = json.loads((g / f"{SYSTEM}.manifest.json").read_bytes())
+    for e in m["files"]:
+        e.update({k: v for k, v in file_digests(g / e["path"]).items() if k in e})
+    m["build"]["rows"] = rows or m["build"]["rows"]
+    _edit_json(g / f"{SYSTEM}.manifest.json", lambda d: d.update(files=m["files"], build=m["build"]))
+    _edit_json(tree / "release.json", lambda d: d["gallery"].update(manifest_xxh3_128=identity_digest(m),
+                                                                     rows=m["build"]["rows"]))
+
+
+def _npy(a) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, a, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _gallery_of(tree: Path):
+    import numpy as np
+
+    return np.load(tree / "gallery" / "embeddings.npy"), json.loads((tree / "gallery" / "labels.json").read_bytes())
+
+
+FORGED = "emmanuel_macron\n  face 2: box [0, 0, 9, 9] score 1.000 → president"
+HOSTILE = {   # edit, the one line verify-release and identify --release both print (after `kiln: gate failed: `)
+    "64-d": (lambda t: _regallery(t, _npy(_gallery_of(t)[0][:, :64].copy())),
+             "gallery/embeddings.npy: C-order <f4 (6, 64); the gallery is C-order <f4 (6, 128): 6 rows × the "
+             "embedder's 128-d output"),
+    "header": (lambda t: _regallery(t, _npy(_gallery_of(t)[0].reshape(12, 64)), _gallery_of(t)[1] * 2, 12),
+               "gallery/embeddings.npy: C-order <f4 (12, 64); the gallery is C-order <f4 (12, 128): 12 rows × the "
+               "embedder's 128-d output"),     # the same bytes read as (12, 64), 12 rows and labels declared
+    "label": (lambda t: _regallery(t, labels=[FORGED, *_gallery_of(t)[1][1:]]),
+              f"gallery/labels.json: row 0: {' '.join(repr(FORGED).split())} is not an identity name (1-64 letters, "
+              "digits, '-' or '_')"),       # repr: the newline shown as \\n; one line: runs of spaces as one
+    "extra": (lambda t: (t / "gallery" / "notes.txt").write_text("hello"),
+              "gallery/notes.txt: not a file this system release declares (its manifests, pins and documents)"),
+}
+
+
+@slow
+@pytest.mark.parametrize("case", HOSTILE)
+def test_signed_but_hostile_gallery_is_one_line_for_verify_and_identify(released, tmp_path, case, capsys):
+    """Issue 44 item 3: a gallery signed with the publisher's own key that identify could not use — 64-d for the
+    128-d embedder, the same bytes under a (12, 64) header with 12 rows declared, a label with a newline that would
+    forge a second `face` line, a file no manifest declares — is one `kiln: gate failed:` line from verify-release,
+    and the same line from identify --release before any face is searched; no traceback."""
+    edit, expected = HOSTILE[case]
+    tree = _tree(released["release"].archive, tmp_path / "x")
+    edit(tree)
+    _edit_json(tree / "slsa-provenance.json", lambda st: st.update(subject=[     # every file, as `build` lists them
+        {"name": rel, "digest": {"sha256": sha}} for rel, sha in sorted(system_release._payload(tree).items())]))
+    sig = tmp_path / "x" / f"{REL}{release.SIG_SUFFIX}"
+    sig.unlink()
+    signing.sign_tree(tree, sig, released["key"])
+    bad = _repack(tmp_path / "x", tmp_path / "bad.tar.gz")
+    photo = list_photos(released["root"] / released["cfg"].data.photos)[0].path
+    capsys.readouterr()
+    assert cli.main(["verify-release", str(bad), "--key", str(released["pub"])]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"kiln: gate failed: {expected}\nhint: do not use this release\n", err
+    assert cli.main(["identify", "--release", str(bad), "--key", str(released["pub"]), str(photo)]) == 1
+    out, err2 = capsys.readouterr()
+    assert err2 == err and "face" not in out and "president" not in out
+
+
 # ---------------------------------------------------------------------------------------------- deploy
 def _faces(out: str) -> list[str]:
     return [ln for ln in out.splitlines() if not ln.startswith(("engines: ", "release: "))]
@@ -281,3 +358,64 @@ def test_identify_key_needs_a_release_archive(assets_dir, capsys):
     photo = next((assets_dir / "photos").rglob("*.jpg"))
     assert cli.main(["identify", str(photo), "--release", "--key", "k.pub"]) == 2
     assert "--key verifies a system release archive" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- the gallery, as read
+def _bad_gallery(case: str):
+    """(embeddings.npy bytes, labels) of a 3-row × 4-d gallery, made bad one way."""
+    import numpy as np
+
+    good, names = np.arange(12, dtype="<f4").reshape(3, 4) / 10, ["ann", "bob-2", "Cy_3"]
+    data = {"good": good, "big-endian": good.astype(">f4"), "float64": good.astype("<f8"),
+            "fortran": np.asfortranarray(good), "4x3": good.reshape(4, 3), "1-d": good.ravel(),
+            "nan": np.where(np.eye(3, 4) > 0, np.nan, good).astype("<f4"), "huge": good * 1e7}.get(case, good)
+    raw = _npy(data)
+    raw = {"trailing": raw + b"\0" * 4, "truncated": raw[:-4], "not-npy": b"PK\x03\x04 a zip"}.get(case, raw)
+    labels = {"newline": ["ann", "bob\n  face 2: → president", "Cy_3"], "unknown": ["ann", "unknown", "Cy_3"],
+              "esc": ["ann", "\x1b]8;;http://x\x1b\\bob\x1b]8;;\x1b\\", "Cy_3"], "number": ["ann", 7, "Cy_3"],
+              "rtl": ["ann", "bob\u202e", "Cy_3"], "two": names[:2], "dotted": ["ann", "../bob", "Cy_3"]}.get(case, names)
+    return raw, labels
+
+
+GALLERY_CASES = {"big-endian": "C-order >f4 (3, 4)", "float64": "C-order <f8 (3, 4)", "fortran": "Fortran-order <f4",
+                 "4x3": "C-order <f4 (4, 3)", "1-d": "C-order <f4 (12,)", "trailing": "bytes; its header declares",
+                 "truncated": "bytes; its header declares", "not-npy": "not a .npy array header",
+                 "nan": "row 0 holds a NaN or infinity", "huge": "row 2 holds a value beyond ±1e+06",
+                 "newline": r"row 1: 'bob\n  face 2: → president' is not an identity name",
+                 "unknown": "row 1: 'unknown' is not an identity name", "esc": r"row 1: '\x1b]8;;http://x",
+                 "number": "row 1: 7 is not", "rtl": r"row 1: 'bob\u202e' is not", "two": "not a list of 3 identity",
+                 "dotted": "row 1: '../bob' is not"}
+
+
+@pytest.mark.parametrize("case", GALLERY_CASES)
+def test_the_gallery_is_checked_as_identify_reads_it(tmp_path, case):
+    """Issue 44 item 3, as a pure check: what identify relies on in gallery/ — rows × the embedder's dim, C-order
+    little-endian float32 and exactly that many bytes, finite and bounded values, identity-slug labels, one per row —
+    each refused in one line naming the file; the message holds no raw control character."""
+    raw, labels = _bad_gallery(case)
+    (tmp_path / "embeddings.npy").write_bytes(raw)
+    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    with pytest.raises(GateFailed) as e:
+        system_release.check_gallery(tmp_path, 3, 4)
+    assert GALLERY_CASES[case] in e.value.message and e.value.hint == "do not use this release", e.value.message
+    assert e.value.message.startswith(("gallery/embeddings.npy: ", "gallery/labels.json: "))
+    assert e.value.message.isprintable(), e.value.message
+
+
+def test_a_good_gallery_passes_and_the_bounds_are_checked_first(tmp_path):
+    import numpy as np
+
+    raw, labels = _bad_gallery("good")
+    (tmp_path / "embeddings.npy").write_bytes(raw)
+    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    assert system_release.check_gallery(tmp_path, 3, 4) == labels
+    gm = {"build": {"rows": 3, "dim": 4}}
+    assert system_release._gallery_shape(gm, {"rows": 3, "dim": 4}, "g") == (3, 4)
+    for build, doc, needle in (({"rows": 200_000, "dim": 4}, {}, "a gallery is 1-100000 rows"),
+                               ({"rows": 3, "dim": True}, {}, "dim 'True'"),
+                               ({"rows": 3, "dim": 4}, {"rows": 3, "dim": 64}, "its gallery is 3 × 64")):
+        with pytest.raises(GateFailed, match=needle):
+            system_release._gallery_shape({"build": build}, doc, "g")
+    embed = system_release._same_width(lambda x: np.zeros((len(x), 64), np.float32), 128, "kiln-system-x v1")
+    with pytest.raises(GateFailed, match=r"kiln-system-x v1: its embedder outputs \(2, 64\), its gallery holds 128-d"):
+        embed(np.zeros((2, 3)))          # a signer who rewrote the recorded dim too: one line at identify, no traceback

@@ -49,6 +49,7 @@ class Compat:
     metrics: dict[str, Any]
     limits: dict[str, Any]
     failures: list[str] = field(default_factory=list)
+    enrolment: dict[str, str] | None = None   # the recorded re-enrolment a move past `re-enroll required` relies on
 
     @property
     def verdict(self) -> str:
@@ -125,9 +126,11 @@ def _runner(cfg, name: str, directory: Path | None, root: Path):
 
 
 def compare(cfg, candidate: str, production: str, root: Path = Path("."), candidate_dir: Path | None = None,
-            production_dir: Path | None = None, model: str | None = None) -> Compat:
+            production_dir: Path | None = None, model: str | None = None,
+            limits: dict[str, Any] | None = None) -> Compat:
     """Measure `candidate` (engine name) against a gallery enrolled by `production`, both of embedder `model`
-    (default: the candidate's model in params.yaml); `*_dir`: a verified copy elsewhere (a registry download)."""
+    (default: the candidate's model in params.yaml); `*_dir`: a verified copy elsewhere (a registry download);
+    `limits`: the limits to judge by (default params.yaml's `gallery_compat:`; a system version's recorded ones)."""
     root = Path(root)
     if model is None:               # two local engines (kiln gallery-compat): both of one embedder model
         model = cfg.engine(candidate).model
@@ -145,7 +148,7 @@ def compare(cfg, candidate: str, production: str, root: Path = Path("."), candid
     emb_c = emb_p if (candidate, candidate_dir) == (production, production_dir) else \
         _embed(_runner(cfg, candidate, candidate_dir, root), x)
     metrics = measure(mcfg, emb_p, emb_c, np.asarray(gset.labels), plain)
-    limits = asdict(cfg.gallery_compat)
+    limits = dict(limits) if limits is not None else asdict(cfg.gallery_compat)
     return Compat(candidate, production, model, metrics, limits, check(metrics, CHECKS, limits))
 
 

@@ -127,7 +127,7 @@ def engine_registrable(cfg, engine_name: str, root: Path = Path("."), host_class
     bench_file = paths.bench(spec.model, root) / paths.BENCH_FILE
     if bench_file.is_file():
         try:
-            doc = json.loads(bench_file.read_text())
+            doc = json.loads(bench_file.read_text(encoding="utf-8"))
             bench = (doc.get("engines") or {}).get(engine_name) or {}
         except (ValueError, AttributeError):
             raise KilnError(f"{bench_file}: not valid bench results",
@@ -151,7 +151,7 @@ def index_registrable(cfg, size: int, root: Path = Path(".")) -> Registrable:
     gate = paths.matching(size, root) / paths.VALIDATION_FILE
     metrics = {}
     if gate.is_file():
-        metrics = {k: v for k, v in (json.loads(gate.read_text()).get("metrics") or {}).items()
+        metrics = {k: v for k, v in (json.loads(gate.read_text(encoding="utf-8")).get("metrics") or {}).items()
                    if k.startswith(("p50", "p99", "build", "bytes", "recall"))}
     return Registrable("index", name, paths.index(size, root), paths.matching(size, root),
                        {"gallery": name, "size": str(size), "model": "embedder", "target": "faiss-cpu"}, metrics,
@@ -182,7 +182,7 @@ def _check(art: Registrable, root: Path) -> tuple[dict, dict, dict]:
     if problems := verify_manifest(art.verdict_manifest):
         raise GateFailed(f"{art.name}: its verdict does not match its manifest (edited?): " + "; ".join(problems),
                          "validate it again (kiln validate <engine>)")
-    verdict = json.loads(vfile.read_text())
+    verdict = json.loads(vfile.read_text(encoding="utf-8"))
     ident = identity_digest(manifest)
     refs = [r.get("xxh3_128") for r in vmanifest.get("inputs", []) if r.get("role") in ("engine", "index")]
     if verdict.get("engine_manifest_xxh3_128") != ident or ident not in refs:
@@ -231,35 +231,70 @@ def bench_verdict_param(host_class: str) -> str:
     return f"{PARAM}bench.{host_class}.verdict"
 
 
-def _host_rows(art: Registrable) -> tuple[dict[str, str], dict[str, float]]:
-    """(version tags, run metrics) of `art`'s bench on its host class: `bench.<class>.<metric>` and its verdict."""
+def _host_rows(art: Registrable) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
+    """(version tags, run metrics, run parameters) of `art`'s bench on its host class: `bench.<class>.<metric>` and
+    its verdict. The parameters (`kiln.bench.<class>.*`, immutable) are the record; tags and metrics display it."""
     hc = art.host_class
     values = _metrics(f"bench.{hc}", art.metrics)
     tags = {k: format(v, "g") for k, v in values.items()}
     tags[f"bench.{hc}.verdict"] = art.tags.get("bench_gate") or "not benched here"
-    return tags, values
+    return tags, values, {PARAM + k: v for k, v in tags.items()}
 
 
 def host_classes(tags: dict[str, str]) -> list[str]:
-    """The host classes a version has bench rows for (its `kiln.host_classes` tag)."""
+    """The host classes a version's tags claim bench rows for (its `kiln.host_classes` tag): display only."""
     return sorted(c for c in (tags.get("kiln.host_classes") or "").split(",") if c)
 
 
-def bench_rows(cfg, name: str, root: Path = Path(".")) -> list[dict[str, Any]]:
-    """Every version's bench rows of registered model `name` (or engine name), one per (version, host class): what
-    `kiln history` shows per host class — its verdict and its numbers, as the version's tags hold them."""
+def recorded_bench(params: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """host class → its bench row {"verdict", metric: value …} as the version's run recorded it (parameters
+    `kiln.bench.<class>.*`, which no one can change afterwards). A class whose verdict parameter is missing has no
+    row: the verdict is written last, so rows half-written by a killed registration do not count."""
+    head = PARAM + "bench."
+    rows: dict[str, dict[str, Any]] = {k[len(head):-len(".verdict")]: {"verdict": v} for k, v in params.items()
+                                       if k.startswith(head) and k.endswith(".verdict")}
+    for hc, row in rows.items():
+        for k, v in params.items():
+            if k.startswith(f"{head}{hc}.") and not k.endswith(".verdict"):
+                try:
+                    row[k[len(f"{head}{hc}."):]] = float(v)
+                except ValueError:
+                    continue
+    return rows
+
+
+def bench_disagreements(name: str, version: int, tags: dict[str, str], rows: dict[str, dict[str, Any]]
+                        ) -> list[str]:
+    """Where a version's bench tags say other than its recorded rows (a tag edited through the registry)."""
+    out = []
+    for hc in sorted(set(host_classes(tags)) - set(rows)):
+        out.append(f"{name} v{version}: its tags claim a bench on host class {hc}, which its run never recorded")
+    for hc, row in sorted(rows.items()):
+        for k, v in sorted(row.items()):
+            shown = v if k == "verdict" else format(v, "g")
+            tag = tags.get(f"bench.{hc}.{k}")
+            if tag is not None and tag != shown:
+                out.append(f"{name} v{version}: tag bench.{hc}.{k} says {tag!r}, its run recorded {shown!r}")
+    return out
+
+
+def bench_rows(cfg, name: str, root: Path = Path(".")) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every version's bench rows of registered model `name` (or engine name), one per (version, host class), as
+    each version's run recorded them — what `kiln history` shows per host class — and every tag that says
+    otherwise (shown as a warning, never as a row)."""
     name = registered_name(cfg, name)
     reg = Registry(cfg, root)
-    out = []
+    out, forged = [], []
     with errors(reg.uri):
         for v in sorted(reg.client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
-            tags = v.tags or {}
-            for hc in host_classes(tags):
-                head = f"bench.{hc}."
-                row = {k[len(head):]: float(x) for k, x in tags.items() if k.startswith(head) and k != head + "verdict"}
-                out.append({"version": int(v.version), "host_class": hc, "verdict": tags.get(head + "verdict"),
-                            "first": tags.get("kiln.host_class") == hc, **row})
-    return out
+            params = reg.client.get_run(v.run_id).data.params if v.run_id else {}
+            rows = recorded_bench(params)
+            forged += bench_disagreements(name, int(v.version), v.tags or {}, rows)
+            first = params.get(PARAM + "host_class")
+            for hc, row in sorted(rows.items()):
+                out.append({**row, "version": int(v.version), "host_class": hc,
+                            "first": first == hc if first else (v.tags or {}).get("kiln.host_class") == hc})
+    return out, forged
 
 
 def _add_host_rows(reg: Registry, name: str, version: int, art: Registrable) -> bool:
@@ -273,9 +308,10 @@ def _add_host_rows(reg: Registry, name: str, version: int, art: Registrable) -> 
         return False
     mv = reg.version(name, version)
     key = bench_verdict_param(hc)
-    if not mv.run_id or key in reg.client.get_run(mv.run_id).data.params:
+    recorded = reg.client.get_run(mv.run_id).data.params if mv.run_id else {}
+    if not mv.run_id or key in recorded:
         return False
-    tags, values = _host_rows(art)
+    tags, values, immutable = _host_rows(art)
     old = mv.tags or {}
     tags["kiln.host_classes"] = ",".join(sorted({*host_classes(old), hc}))
     if "kiln.host_class" not in old:        # a version registered before host classes, or unbenched then
@@ -285,7 +321,8 @@ def _add_host_rows(reg: Registry, name: str, version: int, art: Registrable) -> 
     ts, model_id = int(time.time() * 1000), (mv.source or "").removeprefix("models:/") or None
     reg.client.log_batch(mv.run_id, metrics=[Metric(k, v, ts, 0, model_id=model_id, run_id=mv.run_id)
                                              for k, v in sorted(values.items())],
-                         params=[Param(key, tags[f"bench.{hc}.verdict"])])
+                         params=[Param(k, v) for k, v in sorted(immutable.items()) if k != key and k not in recorded])
+    reg.client.log_batch(mv.run_id, params=[Param(key, immutable[key])])      # last: the row is complete
     return True
 
 
@@ -339,10 +376,11 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
                  PARAM + "manifest_xxh3_128": ident, PARAM + "validation_manifest_xxh3_128": vident,
                  PARAM + "verdict": verdict["verdict"], PARAM + "params_sha256": (manifest.get("params") or {}).get(
                      "sha256", "")}
-    row_tags, row_metrics = _host_rows(art) if art.kind == "engine" and art.host_class else ({}, {})
-    if art.kind == "engine" and art.host_class:
+    benched = art.kind == "engine" and art.host_class
+    row_tags, row_metrics, row_params = _host_rows(art) if benched else ({}, {}, {})
+    if benched:
         tags |= {"kiln.host_class": art.host_class, "kiln.host_classes": art.host_class}
-        immutable[bench_verdict_param(art.host_class)] = row_tags[f"bench.{art.host_class}.verdict"]
+        immutable |= row_params | {PARAM + "host_class": art.host_class}
     params = {**immutable, **_flat("build", manifest.get("build") or {})}
     for ref in manifest.get("inputs") or []:
         params[f"input.{ref.get('role', 'input')}"] = str(ref.get("xxh3_128", ""))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -35,13 +36,16 @@ from typing import Any
 from pipeline import paths
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import artifact_digest, check_files, identity_digest, manifest_path, read_manifest
-from pipeline.registry.client import Registry, errors, redact, registered_name
+from pipeline.registry.client import Registry, errors, is_lock, redact, registered_name
 
 RELEASES_EXPERIMENT = "kiln-releases"
 VALIDATIONS_EXPERIMENT = "kiln-validations"     # validations of registered versions made on another host
 PRODUCTION, CANDIDATE, BUILT = "production", "candidate", "built"
+RETIRE = "retire"            # a move that removes an alias (a part the production system no longer runs)
 KILN_DIR = "kiln"            # validation.json, its manifest, bench metrics and the build record inside a version
 PARAM = "kiln."              # run parameters holding the digests a version is checked against
+SYSTEMS = "kiln-system-"     # registered face systems (pipeline/registry/systems.py)
+MAX_RECORD = 6000            # MLflow's longest parameter value
 
 
 @dataclass(frozen=True)
@@ -79,27 +83,36 @@ def now() -> str:
 # set, then the version is stamped and the run marked FINISHED. A kill anywhere in between leaves an unfinished
 # intent that the next command on the model settles under its lock (`settle`): finished if the alias did move,
 # KILLED if it did not. History lists FINISHED moves only, so the alias and the history always agree.
-def _intend(reg: Registry, move: AliasMove) -> str:
+MOVE = PARAM + "move."        # a move's fields as run parameters: the record (its tags are for search and display)
+
+
+def _intend(reg: Registry, move: AliasMove, record: dict[str, str] | None = None) -> str:
+    """The move's run, RUNNING: its fields as tags (searchable) and as parameters (immutable: what history reads),
+    with `record` (what the decision used, e.g. a gallery check and its limits) as parameters beside them."""
+    from mlflow.entities import Param
+
     eid = reg.experiment_id(RELEASES_EXPERIMENT)
     tags = {"model": move.name, "alias": move.alias, "action": move.action, "to_version": str(move.to_version),
             "from_version": "" if move.from_version is None else str(move.from_version), "actor": move.actor,
             "at": move.at, "reason": move.reason}
     run = reg.client.create_run(eid, run_name=f"{move.action} {move.name}@{move.alias} → v{move.to_version}",
                                 tags=tags)
+    params = {MOVE + k: v for k, v in tags.items()} | (record or {})
+    reg.client.log_batch(run.info.run_id, params=[Param(k, v[:MAX_RECORD]) for k, v in sorted(params.items())])
     return run.info.run_id
 
 
 def _finish(reg: Registry, move: AliasMove, run_id: str) -> None:
-    for key, value in ((f"{move.alias}_at", move.at), (f"{move.alias}_by", move.actor),
-                       (f"{move.alias}_release_run", run_id)):
+    stamps = ((f"{move.alias}_at", move.at), (f"{move.alias}_by", move.actor), (f"{move.alias}_release_run", run_id))
+    for key, value in () if move.action == RETIRE else stamps:     # a removal stamps no version
         reg.client.set_model_version_tag(move.name, str(move.to_version), key, value)
     reg.client.set_terminated(run_id, "FINISHED")                  # last: the move now counts as recorded
 
 
-def move_alias(reg: Registry, move: AliasMove) -> AliasMove:
+def move_alias(reg: Registry, move: AliasMove, record: dict[str, str] | None = None) -> AliasMove:
     """Move an alias and record it, so that a kill at any point leaves a state `settle` completes or undoes.
     Call under the model's lock, after `settle`."""
-    run_id = _intend(reg, move)
+    run_id = _intend(reg, move, record)
     reg.client.set_registered_model_alias(move.name, move.alias, str(move.to_version))
     _finish(reg, move, run_id)
     return move
@@ -121,6 +134,18 @@ def _runs(reg: Registry, name: str, status: str | None = None) -> list:
     return runs
 
 
+def _fields(run) -> dict[str, str] | None:
+    """A move run's fields: its parameters (immutable) — or, for a run recorded before moves had them, its tags.
+    None when its tags name another move than its parameters (tags edited through the registry): not history."""
+    p, t = run.data.params, run.data.tags
+    if MOVE + "to_version" not in p:
+        return t if "to_version" in t else None
+    fields = {k[len(MOVE):]: v for k, v in p.items() if k.startswith(MOVE)}
+    if any(t.get(k) != fields.get(k) for k in ("model", "alias", "to_version")):
+        return None
+    return fields
+
+
 def _move_of(t: dict[str, str]) -> AliasMove:
     return AliasMove(name=t["model"], alias=t["alias"], action=t.get("action", ""), actor=t.get("actor", ""),
                      at=t.get("at", ""), reason=t.get("reason", ""), to_version=int(t["to_version"]),
@@ -135,8 +160,12 @@ def settle(reg: Registry, name: str) -> int:
         return 0
     current = reg.aliases(name)
     for r in sorted(pending, key=lambda r: (r.data.tags.get("at", ""), r.info.start_time or 0)):
-        move = _move_of(r.data.tags)
-        if current.get(move.alias) == move.to_version:
+        if (fields := _fields(r)) is None:
+            reg.client.set_terminated(r.info.run_id, "KILLED")
+            continue
+        move = _move_of(fields)
+        done = move.alias not in current if move.action == RETIRE else current.get(move.alias) == move.to_version
+        if done:
             _finish(reg, move, r.info.run_id)                       # the alias moved: the record completes
         else:
             reg.client.set_terminated(r.info.run_id, "KILLED")      # it never moved: not history
@@ -146,11 +175,23 @@ def settle(reg: Registry, name: str) -> int:
 def moves(reg: Registry, name: str) -> list[AliasMove]:
     out = []
     for r in _runs(reg, name):
-        t = r.data.tags
-        if r.info.status != "FINISHED" or "to_version" not in t:
+        if r.info.status != "FINISHED" or (t := _fields(r)) is None or t.get("model") != name:
             continue
         out.append((t.get("at", ""), r.info.start_time or 0, _move_of(t)))
     return [m for _, _, m in sorted(out, key=lambda x: (x[0], x[1]))]
+
+
+def recorded(reg: Registry, name: str, version: int, key: str) -> dict[str, str]:
+    """The parameters under `kiln.<key>.` of the newest recorded production move of `name` to `version` that has
+    them (e.g. the gallery check a system promotion made): {} when none."""
+    head, found = f"{PARAM}{key}.", []
+    for r in _runs(reg, name, "FINISHED"):
+        t = _fields(r)
+        if t is None or t.get("model") != name or t.get("alias") != PRODUCTION or t.get("to_version") != str(version):
+            continue
+        if rec := {k[len(head):]: v for k, v in r.data.params.items() if k.startswith(head)}:
+            found.append((t.get("at", ""), r.info.start_time or 0, rec))
+    return max(found, key=lambda f: (f[0], f[1]))[2] if found else {}
 
 
 def production_stack(history: list[AliasMove]) -> list[int]:
@@ -159,7 +200,9 @@ def production_stack(history: list[AliasMove]) -> list[int]:
     for m in history:
         if m.alias != PRODUCTION:
             continue
-        if m.action == "rollback" and len(stack) >= 2 and stack[-2] == m.to_version:
+        if m.action == RETIRE:                  # nothing of this model is in production any more
+            stack.clear()
+        elif m.action == "rollback" and len(stack) >= 2 and stack[-2] == m.to_version:
             stack.pop()
         else:
             stack.append(m.to_version)
@@ -232,7 +275,7 @@ def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Veri
         problems.append(f"stored validation manifest's digest is {d}, registered "
                         f"{params[PARAM + 'validation_manifest_xxh3_128']}")
     try:
-        verdict = json.loads((vdir / paths.VALIDATION_FILE).read_text())
+        verdict = json.loads((vdir / paths.VALIDATION_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise GateFailed(f"{name} v{version}: stored {paths.VALIDATION_FILE} unreadable ({e})",
                          "the artifact store was altered; do not ship it") from None
@@ -318,7 +361,7 @@ def attached_verdicts(reg: Registry, name: str, version: int, manifest: dict[str
             continue
         if check_files(mfiles[0], vm) or identity_digest(vm) != p.get(PARAM + "validation_manifest_xxh3_128"):
             continue
-        doc = json.loads((local / paths.VALIDATION_FILE).read_text())
+        doc = json.loads((local / paths.VALIDATION_FILE).read_text(encoding="utf-8"))
         if doc.get("engine_manifest_xxh3_128") == ident:
             found.append((run.info.run_id, doc))
     return found
@@ -369,7 +412,7 @@ def fetch_release(cfg, engine_name: str, dst: Path, root: Path = Path(".")) -> t
 
 # ---------------------------------------------------------------------------------------------- moves
 def _move(reg: Registry, name: str, version: int, action: str, actor: str | None, reason: str | None,
-          summary: str) -> AliasMove:
+          summary: str, record: dict[str, str] | None = None) -> AliasMove:
     current = reg.aliases(name).get(PRODUCTION)
     who, at = actor_name(actor), now()
     if current == version:
@@ -379,11 +422,32 @@ def _move(reg: Registry, name: str, version: int, action: str, actor: str | None
                              changed=False)
         # production was moved without a record (outside kiln, or by a kiln killed before this fix): record it, so
         # the history agrees with the alias and rollback works again
+        print(f"kiln: WARNING: {name}: production is v{version} without a record (moved outside kiln); recording it",
+              file=sys.stderr)
         return move_alias(reg, AliasMove(name, PRODUCTION, stack[-1] if stack else None, version, action, who, at,
                                          reason or f"recorded: production was already v{version}, moved without a "
                                                    f"record; {summary}"))
+    stack = production_stack(moves(reg, name))
+    if current != (stack[-1] if stack else None):   # moved (or removed) outside kiln: say so, and record it
+        note = (f"production was {'v' + str(current) if current is not None else 'unset'}, but the release history "
+                f"says {'v' + str(stack[-1]) if stack else 'none'}: the alias was moved outside kiln")
+        print(f"kiln: WARNING: {name}: {note}", file=sys.stderr)
+        reason = f"{reason}; {note}" if reason else f"{action} v{version}: {summary}; {note}"
     return move_alias(reg, AliasMove(name, PRODUCTION, current, version, action, who, at,
-                                     reason or f"{action} v{version}: {summary}"))
+                                     reason or f"{action} v{version}: {summary}"), record)
+
+
+def retire(reg: Registry, name: str, actor: str | None, reason: str) -> AliasMove | None:
+    """Remove `name`'s production alias, recorded (intent, removal, done: `settle` completes or undoes a kill);
+    None when it has none. Call under the model's lock, after `settle`."""
+    current = reg.aliases(name).get(PRODUCTION)
+    if current is None:
+        return None
+    move = AliasMove(name, PRODUCTION, current, current, RETIRE, actor_name(actor), now(), reason)
+    run_id = _intend(reg, move)
+    reg.client.delete_registered_model_alias(name, PRODUCTION)
+    _finish(reg, move, run_id)
+    return move
 
 
 def _not_faster_note(reg: Registry, name: str, version: int, reason: str | None) -> str | None:
@@ -402,9 +466,59 @@ def _not_faster_note(reg: Registry, name: str, version: int, reason: str | None)
     return f"{reason}; {note}" if reason else f"promote v{version}; {note}"
 
 
+# ---------------------------------------------------------------------------------------------- what systems pin
+@dataclass(frozen=True)
+class Pin:
+    """One part of a face system version, as the version's run recorded it (parameters `kiln.part.<model>.*`)."""
+
+    system: str               # kiln-system-<name>
+    system_version: int
+    model: str
+    registered_model: str
+    version: int
+
+
+def pins(reg: Registry, name: str, version: int) -> list[Pin]:
+    """The parts a system version pins, from its run's parameters (immutable; its `parts` tag is display only)."""
+    mv = reg.version(name, version)
+    params = reg.client.get_run(mv.run_id).data.params if mv.run_id else {}
+    head, tail = PARAM + "part.", ".registered_model"
+    return [Pin(name, int(version), k[len(head):-len(tail)], v, int(params[k[:-len(tail)] + ".version"]))
+            for k, v in sorted(params.items()) if k.startswith(head) and k.endswith(tail)]
+
+
+def production_pins(reg: Registry) -> list[Pin]:
+    """Every part of every face system's production version: what production runs."""
+    found = reg.client.search_registered_models(filter_string=f"name LIKE '{SYSTEMS}%'", max_results=1000)
+    out: list[Pin] = []
+    for rm in sorted(found, key=lambda m: m.name):
+        if not is_lock(rm) and (v := (rm.aliases or {}).get(PRODUCTION)) is not None:
+            out += pins(reg, rm.name, int(str(v)))
+    return out
+
+
+def _guard(reg: Registry, name: str, version: int, action: str, force: bool, reason: str | None) -> str | None:
+    """An engine-level move that would change what a production face system runs is refused: the production
+    system version is the one truth, and its parts move with it (`kiln promote --system`). `force` (with a reason)
+    moves it anyway; the returned reason says so in the move's record."""
+    held = [p for p in production_pins(reg) if p.registered_model == name and p.version != version]
+    if not held:
+        return reason
+    p = held[0]
+    system = p.system.removeprefix(SYSTEMS)
+    if not force:
+        raise KilnError(f"{name}: production system {system} v{p.system_version} runs v{p.version} as its {p.model}; "
+                        f"refusing to {action} the engine alone to v{version}",
+                        f"move the whole system: kiln promote --system {system} VERSION (or --force --reason WHY)")
+    if not reason:
+        raise KilnError(f"{name}: --force needs --reason (recorded in the history)", "e.g. --reason 'hotfix: …'")
+    return (f"FORCED past production system {system} v{p.system_version} (which pins v{p.version}): {reason}")
+
+
 def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: str | None = None,
-            reason: str | None = None) -> AliasMove:
-    """Move `production` to `version` of registered model `name` (or engine name) after proving it."""
+            reason: str | None = None, force: bool = False) -> AliasMove:
+    """Move `production` to `version` of registered model `name` (or engine name) after proving it; refused when a
+    production face system pins another version of it (`_guard`), unless forced with a reason."""
     name = registered_name(cfg, name)
     try:
         version = int(str(version).removeprefix("v"))
@@ -415,6 +529,7 @@ def promote(cfg, name: str, version: int | str, root: Path = Path("."), actor: s
         reg.require_model(name)
         with reg.lock(name):
             settle(reg, name)
+            reason = _guard(reg, name, version, "promote", force, reason)
             summary = check_version(reg, name, version)
             reason = _not_faster_note(reg, name, version, reason)
             return _move(reg, name, version, "promote", actor, reason, summary)
@@ -441,8 +556,9 @@ def rollback_target(reg: Registry, name: str, promote: str) -> tuple[int, int]:
 
 
 def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
-             reason: str | None = None) -> AliasMove:
-    """Move `production` back to the version it held before the current one (per the recorded history)."""
+             reason: str | None = None, force: bool = False) -> AliasMove:
+    """Move `production` back to the version it held before the current one (per the recorded history); guarded
+    as `promote`."""
     name = registered_name(cfg, name)
     reg = Registry(cfg, root)
     with errors(reg.uri):
@@ -450,10 +566,12 @@ def rollback(cfg, name: str, root: Path = Path("."), actor: str | None = None,
         with reg.lock(name):
             settle(reg, name)
             _, target = rollback_target(reg, name, f"kiln promote {name}")
+            reason = _guard(reg, name, target, "roll back", force, reason)
             summary = check_version(reg, name, target)
             return _move(reg, name, target, "rollback", actor, reason, summary)
 
 
-__all__ = ["AliasMove", "BUILT", "CANDIDATE", "PRODUCTION", "RELEASES_EXPERIMENT", "VALIDATIONS_EXPERIMENT",
-           "attached_verdicts", "check_version", "download_verified", "fetch_release", "history", "move_alias",
-           "promote", "redact", "rollback", "rollback_target", "settle"]
+__all__ = ["AliasMove", "BUILT", "CANDIDATE", "PRODUCTION", "Pin", "RELEASES_EXPERIMENT", "SYSTEMS",
+           "VALIDATIONS_EXPERIMENT", "attached_verdicts", "check_version", "download_verified", "fetch_release",
+           "history", "move_alias", "pins", "production_pins", "promote", "recorded", "redact", "rollback",
+           "rollback_target", "settle"]

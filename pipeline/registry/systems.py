@@ -34,7 +34,7 @@ import os
 import sys
 import tempfile
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,11 +47,13 @@ from pipeline.manifest import (artifact_digest, canonical_json, check_files, ide
 from pipeline.registry.client import Registry, errors, redact, registered_name
 from pipeline.registry.registration import (_complete, _end_killed_runs, _ensure_registered_model, _flat, _log_model,
                                             _metrics)
-from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, _binding, _move,
-                                        _not_faster_note, actor_name, check_version, download_verified, move_alias,
-                                        now, rollback_target, settle)
+from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, _binding, _gate,
+                                        _move, _not_faster_note, actor_name, check_version, download_verified,
+                                        move_alias, now, pins, production_pins, recorded, retire, rollback_target,
+                                        settle)
 
-PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name>
+PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name> (releases.SYSTEMS)
+COMPAT = "gallery_compat"     # a system move's record of its gallery check: parameters kiln.gallery_compat.*
 PARTS_FILE = "parts.json"
 PART_KEYS = ("registered_model", "version", "xxh3_128", "sha256", "gated_xxh3_128")
 
@@ -100,6 +102,7 @@ class SystemMove:
     parts: tuple[AliasMove, ...]
     compat: Any = None        # gallery_compat.Compat when the embedder changed
     re_enroll: bool = False
+    retired: tuple[AliasMove, ...] = ()   # parts of the old production version it no longer runs: alias removed
 
 
 def _parts_doc(parts) -> bytes:
@@ -129,8 +132,8 @@ def _local(cfg, system: str, root: Path) -> tuple[dict, dict, dict]:
     if problems := verify_manifest(mpath, root):
         raise GateFailed(f"system {system}: its artifacts do not verify (edited, or an input changed since it was "
                          "gated): " + "; ".join(problems[:3]), f"rerun it: dvc repro {stage}")
-    described = json.loads((d / paths.SYSTEM_FILE).read_text())
-    verdict = json.loads((d / paths.VERDICT_FILE).read_text())
+    described = json.loads((d / paths.SYSTEM_FILE).read_text(encoding="utf-8"))
+    verdict = json.loads((d / paths.VERDICT_FILE).read_text(encoding="utf-8"))
     gated = {m: e["engine"] for m, e in described["engines"].items()}
     if gated != (want := resolve(cfg, system)):
         raise KilnError(f"system {system}: gated with {gated}, but params.yaml now picks {want}",
@@ -207,6 +210,7 @@ def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described:
             "parts": ",".join(f"{p.model}={p.registered_model}:v{p.version}" for p in parts),
             "git_commit": str((record.get("git") or {}).get("commit", "unrecorded (restored from a cache)"))}
     params = {PARAM + "artifact": artifact, PARAM + "kind": "system", PARAM + "system": system,
+              PARAM + "embedder_model": embedder.model, PARAM + "git_commit": tags["git_commit"],
               PARAM + "sha256": digest, PARAM + "manifest_xxh3_128": ident, PARAM + "verdict": tags["validation"],
               PARAM + "parts_sha256": hashlib.sha256(parts_doc).hexdigest(),
               **{f"{PARAM}part.{p.model}.{k}": str(getattr(p, k)) for p in parts for k in PART_KEYS},
@@ -349,18 +353,38 @@ def gallery_check(cfg, reg: Registry, candidate: VerifiedSystem, production: Ver
 
 
 # ---------------------------------------------------------------------------------------------- moves
+def _compat_record(compat, current: int | None, re_enroll: bool) -> dict[str, str]:
+    """The gallery check a move decided by, as the move's run parameters (immutable): what `kiln release --system`
+    and `kiln history` show of it — the verdict, what it was measured against, the limits and the measured values."""
+    if compat is None:
+        return {}
+    head = f"{PARAM}{COMPAT}."
+    return {head + "verdict": compat.verdict, head + "candidate": compat.candidate,
+            head + "vs": f"{compat.production} (v{current})" if current is not None else compat.production,
+            head + "limits": json.dumps(compat.limits, sort_keys=True, default=float),
+            head + "metrics": json.dumps(compat.metrics, sort_keys=True, default=float),
+            head + "failures": "; ".join(compat.failures), head + "re_enroll": str(bool(re_enroll and compat.failures))
+            .lower(), **({head + "enrolment": json.dumps(compat.enrolment, sort_keys=True)} if compat.enrolment
+                         else {})}
+
+
 def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action: str, actor: str | None,
-              reason: str | None, summary: str, compat, re_enroll: bool) -> SystemMove:
-    """Every part's production to its pin, then the system's; under the parts' locks in sorted order (the caller
-    holds the system's)."""
+              reason: str | None, summary: str, compat, re_enroll: bool, current: int | None) -> SystemMove:
+    """Every part's production to its pin; the parts of the current production version the new one does not run
+    (another embedder model or build registered apart) lose their engine-level `production`, unless another
+    production system pins them; then the system's. Under the parts' locks in sorted order (the caller holds the
+    system's)."""
     note = ""
     if compat is not None:
         note = (f"gallery check: {compat.summary()}" if not compat.failures else
-                f"re-enroll: the gallery will be re-enrolled with {compat.candidate} (--re-enroll; "
-                f"{compat.summary()})")
+                f"re-enroll: the gallery was re-enrolled with {compat.candidate} (run "
+                f"{(compat.enrolment or {}).get('run', '?')}: {(compat.enrolment or {}).get('rows', '?')} rows, sha256 "
+                f"{(compat.enrolment or {}).get('sha256', '?')[:12]}; --re-enroll; {compat.summary()})")
     text = "; ".join(x for x in (reason, note) if x) or None
+    mine = {p.registered_model for p in v.parts}
+    old = {p.registered_model for p in pins(reg, name, current)} if current not in (None, version) else set()
     with ExitStack() as stack:
-        for part in sorted({p.registered_model for p in v.parts}):
+        for part in sorted(mine | old):
             stack.enter_context(reg.lock(part))
             settle(reg, part)
         part_moves = []
@@ -368,13 +392,17 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
             why = f"{action} of system {v.system} v{version}" + (f": {reason}" if reason else "")
             part_moves.append(_move(reg, p.registered_model, p.version, action, actor,
                                     _not_faster_note(reg, p.registered_model, p.version, why), summary))
-        m = _move(reg, name, version, action, actor, text, summary)
-    if m.changed and compat is not None:          # the record's own tags, beside its reason
+        others = {p.registered_model for p in production_pins(reg) if p.system != name}
+        retired = [m for part in sorted(old - mine - others) if (m := retire(
+            reg, part, actor, f"{action} of system {v.system} v{version}: no production system runs it any more"))]
+        m = _move(reg, name, version, action, actor, text, summary, _compat_record(compat, current, re_enroll))
+    if m.changed and compat is not None:          # the record's own tags, beside its reason (display)
         run_id = (reg.version(name, version).tags or {}).get(f"{PRODUCTION}_release_run")
         if run_id:
             reg.client.set_tag(run_id, "gallery_compat", compat.verdict)
             reg.client.set_tag(run_id, "re_enroll", str(bool(re_enroll and compat.failures)).lower())
-    return SystemMove(m, tuple(part_moves), compat, bool(re_enroll and compat is not None and compat.failures))
+    return SystemMove(m, tuple(part_moves), compat, bool(re_enroll and compat is not None and compat.failures),
+                      tuple(retired))
 
 
 def _require(reg: Registry, name: str) -> None:
@@ -402,9 +430,55 @@ def _compat_gate(cfg, reg, name: str, version: int, v: VerifiedSystem, current: 
         if compat.failures and not re_enroll:
             raise GateFailed(f"{name} v{version}: re-enroll required — its embedder {compat.candidate} cannot read the "
                              f"gallery {compat.production} enrolled: {'; '.join(compat.failures)}; refusing to {action}",
-                             f"re-enrol the gallery with {compat.candidate}, then {action} with --re-enroll (recorded "
-                             f"in the history)")
+                             f"re-enrol the gallery with {compat.candidate} (kiln re-enroll --system "
+                             f"{system_name(name)} {version}), then {action} with --re-enroll (recorded in the history)")
+        if compat.failures and not (found := enrolments(reg, name, version, v.embedder.xxh3_128)):
+            raise GateFailed(f"{name} v{version}: re-enroll required, and no re-enrolment of its gallery by "
+                             f"{compat.candidate} is recorded; refusing to {action}",
+                             f"re-enrol it first: kiln re-enroll --system {system_name(name)} {version}")
+        if compat.failures:
+            compat = replace(compat, enrolment=found[-1])
     return compat
+
+
+# ---------------------------------------------------------------------------------------------- re-enrolment
+ENROLMENTS_EXPERIMENT = "kiln-enrolments"   # galleries enrolled by a system version's embedder (kiln re-enroll)
+ENROL = PARAM + "enrol."
+ENROL_KEYS = ("system", "version", "embedder", "embedder_xxh3_128", "enrolment_xxh3_128", "rows", "dim", "sha256",
+              "host_class")
+
+
+def record_enrolment(reg: Registry, name: str, version: int, doc: dict[str, Any]) -> str:
+    """Record a gallery enrolled by system version `version`'s embedder (`doc`: ENROL_KEYS but system/version) as a
+    run of `kiln-enrolments`, its fields as parameters (immutable); returns the run id."""
+    from mlflow.entities import Param
+
+    eid = reg.experiment_id(ENROLMENTS_EXPERIMENT)
+    fields = {**{k: str(doc[k]) for k in ENROL_KEYS[2:]}, "system": name, "version": str(version)}
+    run = reg.client.create_run(eid, run_name=f"re-enroll {name} v{version}", tags={"model": name,
+                                                                                    "version": str(version)})
+    reg.client.log_batch(run.info.run_id, params=[Param(ENROL + k, v) for k, v in sorted(fields.items())])
+    reg.client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def enrolments(reg: Registry, name: str, version: int, embedder_xxh3_128: str | None = None
+               ) -> list[dict[str, str]]:
+    """The recorded re-enrolments of system version `version` (oldest first), each {field: value, "run": id}, by
+    their parameters; `embedder_xxh3_128`: only those enrolled by that embedder build."""
+    exp = reg.client.get_experiment_by_name(ENROLMENTS_EXPERIMENT)
+    if exp is None:
+        return []
+    quoted = name.replace("'", "\\'")
+    out = []
+    for r in reg.client.search_runs([exp.experiment_id], filter_string=f"tags.model = '{quoted}'", max_results=1000,
+                                    order_by=["attributes.start_time ASC"]):
+        p = {k[len(ENROL):]: v for k, v in r.data.params.items() if k.startswith(ENROL)}
+        if r.info.status != "FINISHED" or (p.get("system"), p.get("version")) != (name, str(version)):
+            continue
+        if embedder_xxh3_128 is None or p.get("embedder_xxh3_128") == embedder_xxh3_128:
+            out.append({**p, "run": r.info.run_id})
+    return out
 
 
 def promote(cfg, system: str, version: int | str, root: Path = Path("."), actor: str | None = None,
@@ -417,9 +491,9 @@ def promote(cfg, system: str, version: int | str, root: Path = Path("."), actor:
         with reg.lock(name):
             settle(reg, name)
             v, summary = _prove(reg, name, version, Path(tmp))
-            compat = _compat_gate(cfg, reg, name, version, v, reg.aliases(name).get(PRODUCTION), root, Path(tmp),
-                                  re_enroll, "promote")
-            return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll)
+            current = reg.aliases(name).get(PRODUCTION)
+            compat = _compat_gate(cfg, reg, name, version, v, current, root, Path(tmp), re_enroll, "promote")
+            return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll, current)
 
 
 def rollback(cfg, system: str, root: Path = Path("."), actor: str | None = None, reason: str | None = None,
@@ -434,20 +508,64 @@ def rollback(cfg, system: str, root: Path = Path("."), actor: str | None = None,
             current, target = rollback_target(reg, name, f"kiln promote --system {system_name(name)}")
             v, summary = _prove(reg, name, target, Path(tmp))
             compat = _compat_gate(cfg, reg, name, target, v, current, root, Path(tmp), re_enroll, "roll back")
-            return _move_all(reg, name, target, v, "rollback", actor, reason, summary, compat, re_enroll)
+            return _move_all(reg, name, target, v, "rollback", actor, reason, summary, compat, re_enroll, current)
 
 
-def versions(cfg, system: str, root: Path = Path(".")) -> list[dict[str, Any]]:
-    """Every version of the system with its pins and verdict, from its tags (for display: promote proves them)."""
+def versions(cfg, system: str, root: Path = Path(".")) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every version of the system as its run recorded it — verdict, embedder, parts (run parameters) and the
+    gallery check its newest production move made (that move's parameters) — and every tag that says otherwise
+    (for a warning: tags are display, anyone with registry write access can edit them)."""
     name = registered(system)
     reg = Registry(cfg, root)
+    rows, forged = [], []
     with errors(reg.uri):
-        found = reg.client.search_model_versions(f"name = '{name}'")
-        return [{"version": int(v.version), "verdict": (v.tags or {}).get("validation", "-"),
-                 "embedder": (v.tags or {}).get("embedder", "-"), "parts": (v.tags or {}).get("parts", "-"),
-                 "gallery_compat": (v.tags or {}).get("gallery_compat", "-")}
-                for v in sorted(found, key=lambda v: int(v.version))]
+        prod = reg.aliases(name).get(PRODUCTION) if reg.client.search_registered_models(
+            filter_string=f"name = '{name}'") else None
+        for mv in sorted(reg.client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version)):
+            version, tags = int(mv.version), mv.tags or {}
+            params = reg.client.get_run(mv.run_id).data.params if mv.run_id else {}
+            parts = {p.model: p for p in pins(reg, name, version)}
+            embedder = parts.get(params.get(PARAM + "embedder_model", ""))
+            compat = recorded(reg, name, version, COMPAT)
+            row = {"version": version, "production": version == prod, "verdict": params.get(PARAM + "verdict", "-"),
+                   "embedder": embedder.registered_model.removeprefix("kiln-") if embedder else "-",
+                   "parts": ",".join(f"{p.model}={p.registered_model}:v{p.version}" for p in parts.values()) or "-",
+                   "gallery_compat": compat.get("verdict", "-")}
+            for key, tag in (("verdict", "validation"), ("embedder", "embedder"), ("parts", "parts")):
+                if tag in tags and row[key] != "-" and tags[tag] != row[key]:
+                    forged.append(f"{name} v{version}: its {tag!r} tag says {tags[tag]!r}, its run recorded "
+                                  f"{row[key]!r}")
+            if "gallery_compat" in tags and tags["gallery_compat"] != row["gallery_compat"]:
+                forged.append(f"{name} v{version}: its 'gallery_compat' tag says {tags['gallery_compat']!r}, its "
+                              f"moves recorded {row['gallery_compat']!r}")
+            rows.append(row)
+    return rows, forged
 
 
-__all__ = ["Part", "SystemMove", "SystemReceipt", "VerifiedSystem", "download_system", "gallery_check", "is_system",
-           "promote", "register_system", "registered", "rollback", "system_name", "versions"]
+def fetch_production(cfg, system: str, dst: Path, root: Path = Path(".")
+                     ) -> tuple[int, VerifiedSystem, dict[str, Path]]:
+    """The production version of face system `system` — the one truth of what production runs — proven as promote
+    proves it, and each part's pinned version downloaded into `dst` and verified: (version, the system, model →
+    engine directory). The alias is read under the system's lock, so no move is half-seen."""
+    name, root, dst = registered(system), Path(root), Path(dst)
+    reg = Registry(cfg, root)
+    with errors(reg.uri):
+        _require(reg, name)
+        with reg.lock(name):
+            settle(reg, name)
+            version = reg.aliases(name).get(PRODUCTION)
+            if version is None:
+                raise KilnError(f"{name}: no production version; production is what a face system's production "
+                                "version pins", f"promote one first: kiln promote --system {system_name(name)} VERSION")
+            v, _ = _prove(reg, name, version, dst / "proof")
+            dirs = {}
+            for p in v.parts:
+                ev = download_verified(reg, p.registered_model, p.version, dst / p.engine)
+                _gate(reg, p.registered_model, p.version, ev, dst / "attached" / p.engine)
+                dirs[p.model] = ev.directory
+    return version, v, dirs
+
+
+__all__ = ["Part", "SystemMove", "SystemReceipt", "VerifiedSystem", "download_system", "fetch_production",
+           "gallery_check", "is_system", "promote", "register_system", "registered", "rollback", "system_name",
+           "versions"]
