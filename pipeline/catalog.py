@@ -80,7 +80,7 @@ def load(d: Declared):
 
 def _read(path: Path, module: str) -> Declared | None:
     """`path`'s top-level `STAGE = ...Stage(...)`, read statically; None when the module declares no STAGE."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     call = next((node.value for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
                  and any(isinstance(t, ast.Name) and t.id == "STAGE"
                          for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))), None)

@@ -44,7 +44,7 @@ def _is_type_checking(node: ast.AST) -> bool:
 @lru_cache(maxsize=None)
 def _direct(path: Path, mtime_ns: int) -> tuple[frozenset[str], frozenset[str]]:
     """(our modules, third-party top-level names) a file imports anywhere, except under `if TYPE_CHECKING:`."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     ours, theirs = set(), set()
 
     def visit(node: ast.AST) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path  # noqa: E402
 
 def rss_mb() -> float:
     """Current resident set; ru_maxrss is a high-water mark that the imports already set."""
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return int(open("/proc/self/statm", encoding="utf-8").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def main(target: str, engine_dir: str, shape: str, max_batch: str, kind: str, spawned_at: str | None = None) -> dict:

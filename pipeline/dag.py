@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> int:
         files = render(config.load(args.params))
-        stale = [f for f, text in files.items() if (Path(f).read_text() if Path(f).is_file() else "") != text]
+        stale = [f for f, text in files.items()
+                 if (Path(f).read_text(encoding="utf-8") if Path(f).is_file() else "") != text]
         # a group that has no stages any more (its last key removed from params): its dvc.yaml and lock go too
         gone = [f.as_posix() for f in dvc_files() if f.as_posix() not in files]
         if args.write:

@@ -48,6 +48,6 @@ def read_locks(root: Path = Path(".")) -> dict[str, dict]:
     for f in dvc_files(root):
         lock = f.with_name("dvc.lock")
         if lock.is_file():
-            out.update((yaml.load(lock.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-                        or {}).get("stages", {}))
+            out.update((yaml.load(lock.read_text(encoding="utf-8"),
+                                  Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}).get("stages", {}))
     return out

@@ -120,7 +120,7 @@ class System:
         board = paths.reports(root) / "leaderboard.json"
         if not board.is_file():
             raise KilnError(f"{board}: no leaderboard", "build it: dvc repro leaderboard")
-        winners = {r["model"]: r["engine"] for r in json.loads(board.read_text()) if r.get("best")}
+        winners = {r["model"]: r["engine"] for r in json.loads(board.read_text(encoding="utf-8")) if r.get("best")}
         missing = [m for m in graphs(cfg, system) if m not in winners]
         if missing:
             raise KilnError(f"{board}: no engine of {', '.join(missing)} passed its gate and was timed here",

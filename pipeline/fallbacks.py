@@ -54,7 +54,7 @@ def device_notes(query: dict) -> list[str]:
 def _static_entries(cfg, model: str, root: Path) -> list[dict]:
     report = trt_static.report_path(model, root)
     if report.is_file():
-        return json.loads(report.read_text())["audits"]
+        return json.loads(report.read_text(encoding="utf-8"))["audits"]
     return trt_static.audits(cfg, model, root)
 
 
@@ -64,7 +64,7 @@ def rows(cfg, root: Path = Path(".")) -> list[dict]:
         m = manifest_path(paths.engine(name, root), name)
         covered.add((spec.model, spec.target, spec.precision))
         if m.is_file():
-            doc = json.loads(m.read_text())
+            doc = json.loads(m.read_text(encoding="utf-8"))
             notes = []
             if (doc.get("build") or {}).get("build_only"):
                 notes.append("built only (builder's layer audit; not run on this host)")

@@ -39,7 +39,7 @@ def models(cfg) -> list[str]:
 
 
 def _read(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def rows(cfg, root: Path = Path(".")) -> tuple[list[dict], dict[str, str]]:

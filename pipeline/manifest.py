@@ -208,7 +208,7 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
 def read_manifest(path: Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise KilnError(f"{path}: manifest not found", "build the artifact first (dvc repro)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

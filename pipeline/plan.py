@@ -39,7 +39,8 @@ class Row:
 
 def _dvc(root: Path, *args: str) -> dict:
     exe = Path(sys.executable).parent / "dvc"
-    r = subprocess.run([str(exe), *args, "--json"], cwd=root, capture_output=True, text=True)
+    r = subprocess.run([str(exe), *args, "--json"], cwd=root, capture_output=True, text=True, encoding="utf-8",
+                       errors="replace")
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["?"])[-1]
         raise KilnError(f"dvc {' '.join(args)} failed: {last}",

@@ -93,7 +93,7 @@ def apply(name: str, params: Path = Path("params.yaml"), root: Path = Path("."))
     rt.dump(doc, buf)
     fd, tmp = tempfile.mkstemp(prefix=f".{params.name}.", suffix=".tmp", dir=params.parent)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(buf.getvalue())
         try:
             cfg = config.load(Path(tmp))

@@ -20,9 +20,9 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
     """HEAD commit and whether tracked files differ from it (dvc.lock and DVC outputs excepted)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                                check=True).stdout.strip()
+                                check=True, encoding="utf-8", errors="replace").stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain=v1", "-z", "--untracked-files=no"], cwd=repo,
-                                capture_output=True, text=True, check=True).stdout
+                                capture_output=True, text=True, check=True, encoding="utf-8", errors="replace").stdout
     except (subprocess.CalledProcessError, FileNotFoundError):
         return {"commit": "unknown", "dirty": True, "changed": []}
     return {"commit": commit, **dirty_files(status)}
@@ -76,6 +76,6 @@ def _repo_relative(f: str) -> str | None:
 def read_record(stage_name: str, root: Path = Path(".")) -> dict[str, Any] | None:
     path = record_path(stage_name, root)
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, json.JSONDecodeError):
         return None

@@ -26,8 +26,8 @@ def collect(cfg, root: Path = Path(".")) -> dict[str, dict]:
     for name in cfg.systems:
         d = paths.sysbench(name, root)
         try:
-            sb = json.loads((d / "sysbench.json").read_text())
-            out[name] = {"sysbench": sb, "bottleneck": json.loads((d / "bottleneck.json").read_text())}
+            sb = json.loads((d / "sysbench.json").read_text(encoding="utf-8"))
+            out[name] = {"sysbench": sb, "bottleneck": json.loads((d / "bottleneck.json").read_text(encoding="utf-8"))}
         except (FileNotFoundError, json.JSONDecodeError):
             continue
         # each engine's target from params (an engine no longer in params.yaml: named as it was run)

@@ -29,11 +29,11 @@ from typing import Any, Callable, Iterator
 from pipeline import portable
 from pipeline.closure import closure, code_digests, distributions
 from pipeline.dvcfiles import dvcfile
-from pipeline.errors import GateFailed, KilnError, Terminated, handle_sigterm
+from pipeline.errors import GateFailed, KilnError, Terminated, exit_quietly, handle_sigterm
 from pipeline.records import write_record
 from pipeline.toolchain import read_fingerprint, versions
 
-__all__ = ["Out", "Stage", "Run", "report_errors", "parser", "running", "main"]
+__all__ = ["Out", "Stage", "Run", "report_errors", "printable_streams", "parser", "running", "main"]
 
 
 # ---------------------------------------------------------------------------------------------- declaration
@@ -111,10 +111,27 @@ class Stage:
 
 
 # ---------------------------------------------------------------------------------------------- CLI edge
+def printable_streams() -> None:
+    """stdout and stderr escape what their encoding cannot show (`\\u2014`) instead of raising: under an ASCII locale
+    (LC_ALL=C, PYTHONUTF8=0) every line holding `—`, `×` or `→`, `--help` included, was a UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and (stream.encoding or "").lower().replace("-", "") != "utf8":
+            stream.reconfigure(errors="backslashreplace")
+
+
 def report_errors(fn: Callable[[], int]) -> int:
     """Run `fn`; turn Kiln's errors into one line + hint and the documented exit code (1 gate, 2 user error).
-    SIGTERM is handled like Ctrl-C (exit 143): it unwinds through the same cleanup."""
+    SIGTERM is handled like Ctrl-C (exit 143): it unwinds through the same cleanup; one during the exit that
+    follows ends the process at once, quietly (`exit_quietly`)."""
+    printable_streams()
     handle_sigterm()
+    try:
+        return _report(fn)
+    finally:
+        exit_quietly()
+
+
+def _report(fn: Callable[[], int]) -> int:
     try:
         return fn()
     except GateFailed as e:
@@ -173,6 +190,7 @@ def running(stage: Stage, key: str | None, root: Path = Path(".")) -> Iterator[R
 def main(stage: Stage, body: Callable[[argparse.Namespace, Run], int], argv: list[str] | None = None,
          build: Callable[[argparse.ArgumentParser], None] | None = None, key_help: str = "") -> int:
     """The CLI of a stage module: parse, load params, run `body` inside `running`, map errors to exit codes."""
+    printable_streams()
     p = parser(stage, key_help)
     if build:
         build(p)

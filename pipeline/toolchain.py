@@ -31,7 +31,7 @@ def cpu() -> dict[str, object]:
     """The CPU model (record), its kernel-selecting ISA flags and the machine type (rebuild keys)."""
     model, flags, features = platform.processor() or "unknown", set(), set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name" and model in ("unknown", "", platform.processor()):
                 model = value.strip()
@@ -127,7 +127,7 @@ def cached(key: list, compute) -> dict | list:
 
     path = kiln_cache() / "probe" / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         pass
     value = compute()
@@ -146,7 +146,7 @@ def read_fingerprint(target: str, root: Path = Path(".")) -> dict[str, Any]:
     path = paths.toolchain_file(target, root)
     if not path.is_file():
         raise KilnError(f"{path}: toolchain fingerprint missing", "run `kiln toolchain` (the toolchain stage) first")
-    doc = yaml.safe_load(path.read_text())
+    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     if not isinstance(doc, dict) or not isinstance(doc.get("rebuild_on"), dict):
         raise KilnError(f"{path}: not a toolchain fingerprint", "rerun `kiln toolchain`")
     return doc

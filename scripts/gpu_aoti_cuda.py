@@ -41,7 +41,8 @@ def device_info(torch, device: str) -> dict:
         try:
             import subprocess
             info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=20).stdout.strip()
+                                            capture_output=True, text=True, timeout=20, encoding="utf-8",
+                                            errors="replace").stdout.strip()
         except (OSError, subprocess.SubprocessError):
             info["driver"] = "unknown"
     return info
@@ -101,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.models.dlib_resnet import build_embedder
 
-    params = yaml.safe_load(args.params.read_text())
+    params = yaml.safe_load(args.params.read_text(encoding="utf-8"))
     limits, threshold = params["validate"], params["models"]["embedder"]["verify_threshold"]
 
     chips = np.load(args.set / "chips.npy")
-    index = json.loads((args.set / "index.json").read_text())
+    index = json.loads((args.set / "index.json").read_text(encoding="utf-8"))
     labels = np.asarray(index["labels"])
     gallery = np.array([i for i, s in enumerate(index["samples"]) if s["augmentation"] is None])
     ref = np.load(args.golden)
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": time.strftime("%Y-%m-%d"), "device": device_info(torch, args.device), "compile_s": compile_s,
               "package_mb": round(package.stat().st_size / 1e6, 1), "metrics": metrics, "latency": latency,
               "verdict": "fail" if failures else "pass", "failures": failures}
-    (args.out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-    (args.out / "report.md").write_text(markdown(report))
+    (args.out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    (args.out / "report.md").write_text(markdown(report), encoding="utf-8")
     print(markdown(report))
     return 1 if failures else 0
 

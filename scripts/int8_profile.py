@@ -56,7 +56,7 @@ def op_times(path: Path, feed: dict, runs: int) -> tuple[dict[str, float], dict[
         s = session(path, Path(tmp))
         for _ in range(warmup + runs):
             s.run(None, feed)
-        events = json.loads(Path(s.end_profiling()).read_text())
+        events = json.loads(Path(s.end_profiling()).read_text(encoding="utf-8"))
     # only the runs after the warm-up (the first runs pre-pack weights): kernel events inside their model_run spans
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[warmup:]
     if len(spans) != runs:

@@ -71,7 +71,7 @@ def profile_cfg(tmp: Path, cfg, profile: str, extra_engines: dict | None = None,
     raw = profiles.merged(profiles.merged(cfg.raw, profiles.load(profile, REPO)), overrides or {})
     raw["engines"].update(extra_engines or {})
     p = tmp / "params.yaml"
-    p.write_text(yaml.safe_dump(raw))
+    p.write_text(yaml.safe_dump(raw), encoding="utf-8")
     loaded = config.load(p)
     targets.check(loaded)
     return loaded
@@ -87,12 +87,12 @@ def bench_beside_ort(pcfg, root: Path, engines: tuple[str, ...], tmp: Path) -> d
     from pipeline.gates import timing
     from pipeline.stages import compile as compile_stage
 
-    raw = yaml.safe_load(pcfg.source.read_text())
+    raw = yaml.safe_load(pcfg.source.read_text(encoding="utf-8"))
     raw["engines"] = {n: e for n, e in raw["engines"].items() if n in (*engines, ORT_FP32)}
     raw["bench"].update(min_seconds=0.3, min_runs=10, warmup=3)
     raw["systems"] = {}
     p = tmp / "bench-params.yaml"
-    p.write_text(yaml.safe_dump(raw))
+    p.write_text(yaml.safe_dump(raw), encoding="utf-8")
     bcfg = config.load(p)
     if not paths.engine(ORT_FP32, root).is_dir():
         compile_stage.run(bcfg, ORT_FP32, root, check=False)
@@ -140,7 +140,8 @@ def load_in_fresh_process(target: str, engine: Path, shape: tuple[int, ...], hea
     probe = (f"import sys, numpy as np; from pipeline import engines; r = engines.load({target!r}, {str(engine)!r}); "
              f"np.save(sys.argv[1], r.run(np.full({shape!r}, 100, np.float32))); "
              f"print('heavy', *[m for m in {heavy!r} if m in sys.modules])")
-    r = subprocess.run([sys.executable, "-c", probe, str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", probe, str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       encoding="utf-8", errors="replace")
     assert r.returncode == 0, r.stderr[-3000:]
     return np.load(out), r.stdout.split("heavy", 1)[1].split()
 
@@ -175,10 +176,10 @@ def write_params(tmp: Path, mutate) -> Path:
     """A copy of the repository's params.yaml, changed by `mutate(raw_dict)`, written into `tmp`."""
     import yaml
 
-    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
     mutate(raw)
     p = tmp / "params.yaml"
-    p.write_text(yaml.safe_dump(raw))
+    p.write_text(yaml.safe_dump(raw), encoding="utf-8")
     return p
 
 
@@ -266,7 +267,8 @@ def serve_mlflow(tmp_path: Path, template_db: Path, workers: int = 1):
     try:
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited {proc.returncode}:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+                log_text = (tmp_path / "server.log").read_text(encoding="utf-8", errors="replace")
+                pytest.fail(f"mlflow server exited {proc.returncode}:\n{log_text[-3000:]}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
                     if resp.status == 200:
@@ -274,7 +276,8 @@ def serve_mlflow(tmp_path: Path, template_db: Path, workers: int = 1):
             except OSError:
                 pass
             if time.perf_counter() - t0 > 90:
-                pytest.fail(f"mlflow server not healthy after 90 s:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+                log_text = (tmp_path / "server.log").read_text(encoding="utf-8", errors="replace")
+                pytest.fail(f"mlflow server not healthy after 90 s:\n{log_text[-3000:]}")
             time.sleep(0.5)
         print(f"\nmlflow server healthy after {time.perf_counter() - t0:.1f} s")
         yield url
@@ -304,7 +307,7 @@ def postgres_server():
     os.chmod(d, 0o755)
     t0 = time.perf_counter()
     r = subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "start", str(d)], capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=300, encoding="utf-8", errors="replace")
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         url = r.stdout.split("MLFLOW_TRACKING_URI=")[1].split()[0]
@@ -324,32 +327,32 @@ TOOLCHAIN = "toolchain"        # the always-changed probe (toolchain/dvc.yaml); 
 
 def _small_galleries(params: Path) -> None:
     """Only the 10k gallery in the copy: 100k and 1M cost minutes (bench/matching.py measures them)."""
-    text, n = re.subn(r"(?m)^(  gallery_sizes:)\s*\[[^\]]*\]", r"\1 [10000]", params.read_text())
+    text, n = re.subn(r"(?m)^(  gallery_sizes:)\s*\[[^\]]*\]", r"\1 [10000]", params.read_text(encoding="utf-8"))
     assert n == 1, "params.yaml: matching.gallery_sizes not found as a one-line list"
-    params.write_text(text)
+    params.write_text(text, encoding="utf-8")
 
 
 def _report_speed_gates(params: Path) -> None:
     """The INT8 ≥ FP32 speed gate is a timing on a shared machine: in the copy it reports, it does not fail."""
-    text, n = re.subn(r"(?m)^(  int8_min_speedup:)\s*[0-9.]+", r"\1 0.0", params.read_text())
+    text, n = re.subn(r"(?m)^(  int8_min_speedup:)\s*[0-9.]+", r"\1 0.0", params.read_text(encoding="utf-8"))
     assert n == 1, "params.yaml: bench.int8_min_speedup not found"
-    params.write_text(text)
+    params.write_text(text, encoding="utf-8")
 
 
 def _short_bench(params: Path) -> None:
     """Timings are records (never compared): in the copy each engine × batch is timed 0.3 s, not 2 s."""
-    text = params.read_text()
+    text = params.read_text(encoding="utf-8")
     for key, value in (("min_seconds", "0.3"), ("min_runs", "10"), ("warmup", "3")):
         text, n = re.subn(rf"(?m)^(  {key}:)\s*[0-9.]+", rf"\g<1> {value}", text)
         assert n == 1, f"params.yaml: bench.{key} not found"
-    params.write_text(text)
+    params.write_text(text, encoding="utf-8")
 
 
 def _copy_worktree(dest: Path) -> Path:
     from pipeline.dvcfiles import dvc_files
 
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
+                           capture_output=True, text=True, encoding="utf-8", errors="replace").stdout.split("\0")
     for f in filter(None, files):
         if (REPO / f).is_file():
             (dest / f).parent.mkdir(parents=True, exist_ok=True)
@@ -374,12 +377,14 @@ def dag_env(root: Path) -> dict[str, str]:
 
 def dvc(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=root,
-                          env={**dag_env(root), **(env or {})}, capture_output=True, text=True)
+                          env={**dag_env(root), **(env or {})}, capture_output=True, text=True, encoding="utf-8",
+                          errors="replace")
 
 
 def kiln(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=root,
-                          env={**dag_env(root), **(env or {})}, capture_output=True, text=True)
+                          env={**dag_env(root), **(env or {})}, capture_output=True, text=True, encoding="utf-8",
+                          errors="replace")
 
 
 def ran(out: str) -> set[str]:
@@ -404,18 +409,19 @@ def built_dag(tmp_path_factory, worker_id) -> dict[str, Path]:
     if worker_id != "master":                     # each xdist worker has its own basetemp under the run's
         shared = shared.parent
     build, hosts, failed = shared / "dag-build", shared / "dag-hosts", shared / "dag-build.failed"
-    with open(shared / "dag-build.lock", "w") as lock:
+    with open(shared / "dag-build.lock", "w", encoding="utf-8") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if failed.exists():
-            pytest.fail(failed.read_text())
+            pytest.fail(failed.read_text(encoding="utf-8"))
         if not hosts.exists():
             build.mkdir()
             root = _copy_worktree(build)
             r = kiln(root, "dag", "--write")                  # the copy has one gallery size: its own dvc.yaml
             first = dvc(root, "repro") if r.returncode == 0 else r
             if first.returncode != 0:
-                failed.write_text("the default DAG did not build:\n" + first.stdout[-3000:] + first.stderr[-3000:])
-                pytest.fail(failed.read_text())
+                failed.write_text("the default DAG did not build:\n" + first.stdout[-3000:] + first.stderr[-3000:],
+                                  encoding="utf-8")
+                pytest.fail(failed.read_text(encoding="utf-8"))
             shutil.copytree(build, shared / "dag-hosts.tmp", symlinks=True)
             (shared / "dag-hosts.tmp").rename(hosts)
     return {"build": build, "hosts": hosts}
@@ -466,9 +472,9 @@ def render_in_chromium(page: Path, screenshot: str, height: int = 2400, min_png:
     flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
              "--v=0", "--proxy-server=127.0.0.1:9", f"--window-size=1400,{height}"]       # no network either
     shot = subprocess.run(flags + [f"--screenshot={ARTIFACTS / screenshot}", page.resolve().as_uri()],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, encoding="utf-8", errors="replace")
     dom = subprocess.run(flags + ["--dump-dom", page.resolve().as_uri()], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, encoding="utf-8", errors="replace")
     assert shot.returncode == 0 and dom.returncode == 0, shot.stderr[-2000:] + dom.stderr[-2000:]
     assert (ARTIFACTS / screenshot).stat().st_size > min_png, "the screenshot is (nearly) empty"
     console = [line for out in (shot.stderr, dom.stderr) for line in out.splitlines() if ":CONSOLE" in line]

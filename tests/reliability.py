@@ -29,12 +29,13 @@ def _env(extra: dict | None = None) -> dict[str, str]:
 
 def kiln(root: Path, *args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "pipeline.cli", *args], cwd=root, env=_env(env), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, encoding="utf-8", errors="replace")
 
 
 def spawn(root: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([PY, "-m", "pipeline.cli", *args], cwd=root, env=_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, encoding="utf-8",
+                            errors="replace")
 
 
 def clean_error(r: subprocess.CompletedProcess, code: int, *needles: str) -> None:

@@ -252,3 +252,77 @@ def test_a_metrics_edit_reruns_the_gates_not_the_builds(declared):
     assert not wrong, (f"an edit of {f} stales {len(wrong)} build stages "
                        f"({', '.join(f'{g}@ ×{c}' for g, c in by_group.items() if c)}):\n"
                        + "\n".join(f"  {n}: {c}" for n, c in wrong.items()))
+
+
+# ---------------------------------------------------------------------------------------------- (e) encodings
+# Calls that decode or encode text with the locale's encoding unless told otherwise (issue 44 item 6: with
+# PYTHONUTF8=0 and an ASCII locale, `kiln --help` died reading a file that holds `—`): (mode argument position,
+# or None: always text) by how the call is named.
+_TEXT_CALLS = {"read_text": None, "write_text": None, "TextIOWrapper": None, "open": 1, "fdopen": 1,
+               "NamedTemporaryFile": 0, "TemporaryFile": 0, "SpooledTemporaryFile": 1}
+_NOT_FILES = ("tarfile", "zipfile", "Image", "gzip", "bz2", "lzma", "os", "tar", "zf", "zip", "archive", "webbrowser")
+
+
+def _unencoded_text_io(tree) -> list[tuple[int, str]]:
+    """(line, call) of every text-mode file or subprocess call in `tree` that does not name its encoding."""
+    return sorted((node.lineno, call) for node, call in _unencoded_calls(tree))
+
+
+def _unencoded_calls(tree) -> list:
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+        kw = {k.arg: k.value for k in node.keywords if k.arg}
+        if "encoding" in kw or any(k.arg is None for k in node.keywords):        # named, or **kwargs passed on
+            continue
+        if name in ("run", "Popen", "check_output", "check_call", "call") and owner == "subprocess":
+            text = [kw.get(k) for k in ("text", "universal_newlines")]
+            if any(isinstance(v, ast.Constant) and v.value for v in text) or "errors" in kw:
+                found.append((node, f"subprocess.{name}(text=True)"))
+            continue
+        if name not in _TEXT_CALLS or (name == "open" and owner in _NOT_FILES) or (name == "fdopen" and owner != "os"):
+            continue
+        if name == "read_text" and node.args or name == "write_text" and len(node.args) > 1:
+            continue                                    # the encoding given by position
+        at = _TEXT_CALLS[name]
+        if name == "open" and isinstance(f, ast.Attribute) and owner not in ("io", "codecs"):
+            at = 0                                      # Path.open(mode=…): the mode comes first
+        if at is not None:
+            mode = kw.get("mode", node.args[at] if len(node.args) > at else None)
+            if name in ("NamedTemporaryFile", "TemporaryFile", "SpooledTemporaryFile") and mode is None:
+                continue                                # their default mode is w+b
+            if isinstance(mode, ast.Constant) and isinstance(mode.value, str) and "b" in mode.value:
+                continue
+        found.append((node, f"{owner + '.' if owner else ''}{name}()"))
+    return found
+
+
+def test_every_text_file_kiln_reads_or_writes_names_its_encoding():
+    """Path.read_text / write_text, open() and os.fdopen in text mode, io.TextIOWrapper, tempfile's text modes and
+    subprocess text pipes in pipeline/, bench/ and scripts/ all name their encoding: never the locale's."""
+    import ast
+
+    files = [p for d in ("pipeline", "bench") for p in sorted((REPO / d).rglob("*.py")) if "__pycache__" not in p.parts]
+    files += sorted((REPO / "scripts").glob("*.py"))
+    assert len(files) > 100, len(files)
+    bad = {rel(p): hits for p in files if (hits := _unencoded_text_io(ast.parse(p.read_bytes(), str(p))))}
+    assert not bad, "text I/O without an encoding (add encoding=\"utf-8\"):\n" + "\n".join(
+        f"  {f}:{line}: {call}" for f, hits in sorted(bad.items()) for line, call in hits)
+
+
+def test_the_encoding_check_sees_each_kind_of_call():
+    """The checker itself, on code that shows each case once."""
+    import ast
+
+    src = ("Path('a').read_text()\nPath('a').write_text(s)\nopen(p)\nopen(p, 'w')\nPath(p).open()\n"
+           "os.fdopen(fd, 'w')\nio.TextIOWrapper(b)\nsubprocess.run(c, text=True)\ntempfile.NamedTemporaryFile('w')\n"
+           "Path('a').read_text(encoding='utf-8')\nopen(p, 'rb')\nPath(p).open('rb')\nos.fdopen(fd, 'wb')\n"
+           "tarfile.open(p)\nsubprocess.run(c, capture_output=True)\nopen(p, 'w', encoding='utf-8')\n"
+           "subprocess.run(c, text=True, encoding='utf-8')\ntempfile.NamedTemporaryFile()\nopen(p, **kw)\n")
+    assert [line for line, _ in _unencoded_text_io(ast.parse(src))] == list(range(1, 10))

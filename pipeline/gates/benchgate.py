@@ -97,7 +97,7 @@ def check(cfg, engine_name: str, root: Path = Path(".")) -> str | None:
         raise KilnError(f"{f}: the bench verdict does not verify: {'; '.join(problems)[:300]}",
                         f"rerun: dvc repro -f {address(f'bench@{e.model}')}")
     try:
-        d = json.loads(f.read_text())
+        d = json.loads(f.read_text(encoding="utf-8"))
         recorded, verdict = d["inputs"], d["verdict"]
     except (ValueError, KeyError, TypeError):
         recorded, verdict = None, None

@@ -23,7 +23,7 @@ def source_inputs(mcfg, root: Path) -> list[dict]:
 def load_reference(directory: Path) -> tuple[list[str], list[list[np.ndarray]]]:
     """(output names, outputs per feed) of a golden artifact, its files verified against its manifest first."""
     read_verified(manifest_path(directory, directory.name), fast=True)
-    index = json.loads((directory / "index.json").read_text())
+    index = json.loads((directory / "index.json").read_text(encoding="utf-8"))
     names = index["outputs"]
     return names, [[np.load(directory / "reference" / f"{i:04d}.{n}.npy", allow_pickle=False) for n in names]
                    for i in range(index["feeds"])]

@@ -41,7 +41,8 @@ def cold_start(target: str, engine_dir: Path, input_shape: tuple[int, ...], max_
     model's role (params `samples`), whose synthetic feed it runs."""
     args = [sys.executable, "-m", coldstart.__name__, target, str(engine_dir), json.dumps(list(input_shape)),
             str(max_batch), kind]
-    out = subprocess.run(args + [repr(time.time())], capture_output=True, text=True, env=cli_env())
+    out = subprocess.run(args + [repr(time.time())], capture_output=True, text=True, env=cli_env(), encoding="utf-8",
+                         errors="replace")
     if out.returncode != 0:
         from pipeline.errors import KilnError
 

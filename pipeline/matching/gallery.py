@@ -161,7 +161,7 @@ def load(directory: Path, size: int, hint: str) -> tuple[np.ndarray, np.ndarray,
     """A gallery@<size> output, verified against its manifest by the caller: vectors, labels, fitted distribution."""
     vectors = np.load(directory / "vectors.npy", allow_pickle=False)
     labels = np.load(directory / "labels.npy", allow_pickle=False)
-    dist = json.loads((directory / "distribution.json").read_text())
+    dist = json.loads((directory / "distribution.json").read_text(encoding="utf-8"))
     if len(vectors) != size:
         raise KilnError(f"{directory}: {len(vectors)} vectors, expected {size}", hint)
     return vectors, labels, dist

@@ -39,7 +39,7 @@ def recipe_options(recipe: Recipe) -> dict:
 def load_ranges(path: Path) -> dict:
     """ranges.json as written by calibrate, checked for shape."""
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
         if not all(isinstance(r["min"], float) and isinstance(r["max"], float) and math.isfinite(r["min"])
                    and math.isfinite(r["max"]) for r in doc["tensors"].values()):
             raise TypeError("min/max must be finite numbers")

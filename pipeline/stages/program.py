@@ -63,7 +63,7 @@ def bytes_in_fresh_process(params: Path, model_name: str, root: Path) -> bytes:
         out = Path(tmp) / PROGRAM_FILE
         r = subprocess.run([sys.executable, "-m", STAGE.module, "--params", str(Path(params).resolve()),
                             "--bytes-only", str(out), model_name], cwd=root, capture_output=True, text=True,
-                           env=cli_env())
+                           env=cli_env(), encoding="utf-8", errors="replace")
         if r.returncode != 0:
             raise KilnError(f"program@{model_name}: re-export in a fresh process failed: "
                             f"{(r.stderr.strip().splitlines() or ['?'])[-1]}", "run `kiln program` to see the error")

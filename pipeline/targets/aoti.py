@@ -81,7 +81,7 @@ def _ops_in_kernel_name(kernel: str) -> list[str]:
 
 def _first_line(cmd: list[str]) -> str:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, encoding="utf-8", errors="replace")
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
@@ -89,7 +89,7 @@ def _first_line(cmd: list[str]) -> str:
 
 def _cpu_flags() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("flags"):
                 return " ".join(sorted(line.partition(":")[2].split()))
     except OSError:
@@ -177,7 +177,7 @@ class AotiCpu:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise KilnError(f"{base}: not a private directory of this user (a link, another owner, or group/other "
                             "access)", f"remove it (rm -rf {base}) and compile again")
-        with open(base / "lock", "w") as lock:
+        with open(base / "lock", "w", encoding="utf-8") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             build = base / "build"
             shutil.rmtree(build, ignore_errors=True)  # a killed earlier build
@@ -241,7 +241,7 @@ class AotiCpu:
             torch.set_num_threads(saved_threads)
         opts = {"precision": options.precision, "threads": threads, "inductor_configs": inductor,
                 "package": PACKAGE_FILE}
-        (out / OPTIONS_FILE).write_text(json.dumps(opts, sort_keys=True, indent=1) + "\n")
+        (out / OPTIONS_FILE).write_text(json.dumps(opts, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [package, out / OPTIONS_FILE]
 
     def manifest_extras(self, engine_dir: Path) -> dict:
@@ -338,7 +338,7 @@ class AotiRunner:
     def __init__(self, engine_dir: Path) -> None:
         import torch
 
-        opts = json.loads((engine_dir / OPTIONS_FILE).read_text())
+        opts = json.loads((engine_dir / OPTIONS_FILE).read_text(encoding="utf-8"))
         if opts.get("threads"):
             torch.set_num_threads(int(opts["threads"]))
         self._torch = torch

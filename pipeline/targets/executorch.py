@@ -124,7 +124,7 @@ class ExecuTorchXnnpack:
                             "report it with the ExecuTorch version; a smaller max_batch may avoid the guard")
         meta = {"precision": options.precision, "threads": opts.threads, "max_batch": opts.max_batch,
                 "per_channel": opts.per_channel, "calibration_samples": calibrated, "pte": PTE_FILE}
-        (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
+        (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [out / PTE_FILE, out / OPTIONS_FILE]
 
     @staticmethod
@@ -161,7 +161,7 @@ class ExecuTorchXnnpack:
         return OpSupport(precision, dict(sorted(native.items())), fallback, dict(sorted(other.items())))
 
     def manifest_extras(self, engine_dir: Path) -> dict:
-        meta = json.loads((engine_dir / OPTIONS_FILE).read_text())
+        meta = json.loads((engine_dir / OPTIONS_FILE).read_text(encoding="utf-8"))
         plan = self.plan(engine_dir)
         return {"build": {"max_batch": meta["max_batch"], "planned_batch": plan.pop("planned_batch"),
                           "calibration_samples": meta["calibration_samples"]},
@@ -225,7 +225,7 @@ class EtRunner:
 
         lib = runtime_bindings()
         self._torch = torch
-        threads = int(json.loads((engine_dir / OPTIONS_FILE).read_text()).get("threads", 0))
+        threads = int(json.loads((engine_dir / OPTIONS_FILE).read_text(encoding="utf-8")).get("threads", 0))
         if threads:     # process-wide, like torch.set_num_threads for aoti-cpu
             lib._unsafe_reset_threadpool(threads)
         self.module = lib._load_for_executorch(str(engine_dir / PTE_FILE), data_path=None,

@@ -130,13 +130,14 @@ class LiteRT:
                 raise KilnError(f"{self.name}: the calibration set is empty", "rebuild dataset@calibration")
             request["calibration"] = str((workdir / "calibration.npz").resolve())
             np.savez(request["calibration"], **arrays)
-        (workdir / "request.json").write_text(json.dumps(request))
+        (workdir / "request.json").write_text(json.dumps(request), encoding="utf-8")
         python = converter_python()
         # its own interpreter and nothing of this one's path: the converter venv's packages only
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         r = subprocess.run([str(python), litert_convert.__file__, str((workdir / "request.json").resolve())],
                            capture_output=True, text=True, cwd=workdir,
-                           env={**env, "PYTHONHASHSEED": "0", "TF_CPP_MIN_LOG_LEVEL": "2"})
+                           env={**env, "PYTHONHASHSEED": "0", "TF_CPP_MIN_LOG_LEVEL": "2"}, encoding="utf-8",
+                           errors="replace")
         if r.returncode != 0 or not (out / TFLITE_FILE).is_file():
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
             raise KilnError(f"{self.name}: the converter ({python}) failed on {source}: {last}",
@@ -144,7 +145,7 @@ class LiteRT:
         meta = {"precision": options.precision, "threads": options.options.threads, "channel_last": channel_last,
                 "recipe": RECIPE if options.precision == "int8" else None, "calibration_samples": samples,
                 "tflite": TFLITE_FILE}
-        (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
+        (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [out / TFLITE_FILE, out / OPTIONS_FILE]
 
     @staticmethod
@@ -172,7 +173,7 @@ class LiteRT:
         return OpSupport(precision, dict(sorted(native.items())), fallback, dict(sorted(other.items())))
 
     def manifest_extras(self, engine_dir: Path) -> dict:
-        meta = json.loads((engine_dir / OPTIONS_FILE).read_text())
+        meta = json.loads((engine_dir / OPTIONS_FILE).read_text(encoding="utf-8"))
         ops, tensors, signature = self.graph(engine_dir)
         io = {"inputs": [], "outputs": []}
         for kind, details in (("inputs", signature.get_input_details()), ("outputs", signature.get_output_details())):
@@ -215,7 +216,7 @@ class LiteRTRunner:
     def __init__(self, engine_dir: Path) -> None:
         from ai_edge_litert.interpreter import Interpreter
 
-        meta = json.loads((engine_dir / OPTIONS_FILE).read_text())
+        meta = json.loads((engine_dir / OPTIONS_FILE).read_text(encoding="utf-8"))
         self._make = lambda: Interpreter(model_path=str(engine_dir / TFLITE_FILE),
                                          num_threads=meta["threads"] or None).get_signature_runner()
         self.channel_last = set(meta["channel_last"])

@@ -57,6 +57,6 @@ def convert(req: dict) -> dict:
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
+    with open(sys.argv[1], encoding="utf-8") as f:
         request = json.load(f)
     print(json.dumps(convert(request)))         # for a run by hand; the target reads the files

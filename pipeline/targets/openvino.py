@@ -136,7 +136,7 @@ class OpenVinoCpu:
         ov.save_model(model, str(out / XML_FILE), compress_to_fp16=False)
         config = {"device": "CPU", "precision": options.precision, "source_format": "onnx",
                   "properties": self.runtime_config(options.precision, options.options)}
-        (out / CONFIG_FILE).write_text(json.dumps(config, sort_keys=True, indent=1) + "\n")
+        (out / CONFIG_FILE).write_text(json.dumps(config, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [out / XML_FILE, out / BIN_FILE, out / CONFIG_FILE]
 
     def accept_rebuild(self, mine: Path, other: Path, differing: list[str]) -> str | None:
@@ -154,7 +154,7 @@ class OpenVinoCpu:
 
     def check_package(self, engine_dir: Path) -> None:
         """The IR's .xml must name no external file but its own .bin (read_model follows the .xml)."""
-        text = (engine_dir / XML_FILE).read_text(errors="replace")
+        text = (engine_dir / XML_FILE).read_text(encoding="utf-8", errors="replace")
         if re.search(r"<!DOCTYPE|<!ENTITY|SYSTEM\s+[\"']", text):
             raise KilnError(f"{engine_dir / XML_FILE}: the IR declares external entities",
                             "do not load it: rebuild the engine (kiln compile <engine>)")
@@ -164,7 +164,7 @@ class OpenVinoCpu:
         """Compile the IR for this CPU as `load` does and read the precision each compute layer runs in."""
         ov = _ov()
         core = ov.Core()
-        config = json.loads((engine_dir / CONFIG_FILE).read_text())
+        config = json.loads((engine_dir / CONFIG_FILE).read_text(encoding="utf-8"))
         compiled = core.compile_model(core.read_model(str(engine_dir / XML_FILE)), "CPU", config["properties"])
         native, fallback, other = Counter(), [], Counter()
         want = RUNS_AS[precision]
@@ -209,7 +209,7 @@ class OvRunner:
 
     def __init__(self, engine_dir: Path, threads: int | None = None) -> None:
         ov = _ov()
-        config = json.loads((engine_dir / CONFIG_FILE).read_text())
+        config = json.loads((engine_dir / CONFIG_FILE).read_text(encoding="utf-8"))
         props = config["properties"]
         if threads is not None:
             # A caller that picks the threads shares the cores (sysbench@ runs one worker process per core). OpenVINO

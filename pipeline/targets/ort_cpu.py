@@ -111,7 +111,7 @@ class OrtCpu:
         session = {"providers": ["CPUExecutionProvider"], "precision": options.precision,
                    "graph_optimization": o.graph_optimization, "threads": o.threads, "spin": o.spin,
                    "load_with_optimization": "disabled"}
-        (out / SESSION_FILE).write_text(json.dumps(session, sort_keys=True, indent=1) + "\n")
+        (out / SESSION_FILE).write_text(json.dumps(session, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [engine, out / SESSION_FILE]
 
     def audit(self, engine_dir: Path, precision: str) -> OpSupport:
@@ -144,7 +144,7 @@ class OrtRunner:
     def __init__(self, engine_dir: Path, threads: int | None = None) -> None:
         import onnxruntime as ort
 
-        session = json.loads((engine_dir / SESSION_FILE).read_text())
+        session = json.loads((engine_dir / SESSION_FILE).read_text(encoding="utf-8"))
         self.threads = session["threads"] if threads is None else threads
         self.session = ort.InferenceSession(str(engine_dir / ENGINE_FILE),
                                             OrtCpu._session_options(self.threads, session.get("spin", False)),

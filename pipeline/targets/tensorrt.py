@@ -293,7 +293,7 @@ class TensorRT:
     def audit(self, engine_dir: Path, precision: str) -> OpSupport:
         p = Path(engine_dir)
         if p.is_dir() and (p / INSPECTOR_FILE).is_file():
-            return inspector_audit(json.loads((p / INSPECTOR_FILE).read_text()), precision)
+            return inspector_audit(json.loads((p / INSPECTOR_FILE).read_text(encoding="utf-8")), precision)
         onnx_path = p if p.suffix == ".onnx" else p / "model.onnx"
         if not onnx_path.is_file():
             raise KilnError(f"{p}: neither a built TensorRT engine ({INSPECTOR_FILE}) nor an ONNX to audit statically",
@@ -348,7 +348,7 @@ class TensorRT:
         summary["io_tensors"] = [{"name": n, "mode": str(engine.get_tensor_mode(n)).split(".")[-1].lower(),
                                   "dtype": norm_dtype(str(engine.get_tensor_dtype(n))),
                                   "shape": list(engine.get_tensor_shape(n))} for n in names]
-        (out / INSPECTOR_FILE).write_text(json.dumps(summary, sort_keys=True, indent=1) + "\n")
+        (out / INSPECTOR_FILE).write_text(json.dumps(summary, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         build = {"plan": plan.record(), "tensorrt": trt.__version__, "onnx_parsed_sha256": hashlib.sha256(data)
                  .hexdigest(), "precision_source": {"fp32": "fp32 export", "fp16": "float16 conversion, fp32 I/O",
                                                     "int8": "QDQ (explicit quantization)"}[options.precision],
@@ -357,13 +357,13 @@ class TensorRT:
                                   "sha256_before": hashlib.sha256(old).hexdigest() if old else None,
                                   "sha256_after": hashlib.sha256(new).hexdigest()},
                  "static_audit": static.summary()["problem_rules"]}
-        (out / BUILD_FILE).write_text(json.dumps(build, sort_keys=True, indent=1) + "\n")
+        (out / BUILD_FILE).write_text(json.dumps(build, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [engine_path, out / BUILD_FILE, out / INSPECTOR_FILE]
 
     def manifest_extras(self, engine_dir: Path) -> dict[str, Any]:
         """What compile.py merges into the engine manifest: build record + inspector summary."""
-        build = json.loads((Path(engine_dir) / BUILD_FILE).read_text())
-        insp = json.loads((Path(engine_dir) / INSPECTOR_FILE).read_text())
+        build = json.loads((Path(engine_dir) / BUILD_FILE).read_text(encoding="utf-8"))
+        insp = json.loads((Path(engine_dir) / INSPECTOR_FILE).read_text(encoding="utf-8"))
         return {"build": {"equivalence": EQUIVALENCE,
                           "builder_optimization_level": build["plan"]["builder_optimization_level"],
                           "plan": build["plan"], "onnx_parsed_sha256": build["onnx_parsed_sha256"],

@@ -241,7 +241,7 @@ class TensorRTRTX:
             raise KilnError("tensorrt-rtx: the builder logged no layer list (it is the audit)",
                             "check the TensorRT-RTX version: the VERBOSE build log must end with `Layers:`")
         audit = inspector_audit(layers, options.precision)
-        (out / LAYERS_FILE).write_text(json.dumps(layers, sort_keys=True, indent=1) + "\n")
+        (out / LAYERS_FILE).write_text(json.dumps(layers, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         build = {"plan": plan.record(), "compute_capabilities": list(opts.compute_capabilities),
                  "tensorrt_rtx": trt.__version__, "onnx_parsed_sha256": hashlib.sha256(data).hexdigest(),
                  "precision_source": {"fp32": "fp32 export", "fp16": "float16 conversion, fp32 I/O",
@@ -249,16 +249,16 @@ class TensorRTRTX:
                  "static_audit": {"parses": static["parses"], "problem_rules": static["problem_rules"],
                                   "fallback_nodes": static["audit"]["fallback_nodes"]},
                  "disagreements_with_static_rules": disagreements(static, True, audit)}
-        (out / BUILD_FILE).write_text(json.dumps(build, sort_keys=True, indent=1) + "\n")
+        (out / BUILD_FILE).write_text(json.dumps(build, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [engine_path, out / BUILD_FILE, out / LAYERS_FILE]
 
     def audit(self, engine_dir: Path, precision: str) -> OpSupport:
         """The builder's own layer list: which layers take inputs in `precision`, which fell back."""
-        return inspector_audit(json.loads((Path(engine_dir) / LAYERS_FILE).read_text()), precision)
+        return inspector_audit(json.loads((Path(engine_dir) / LAYERS_FILE).read_text(encoding="utf-8")), precision)
 
     def manifest_extras(self, engine_dir: Path) -> dict[str, Any]:
-        build = json.loads((Path(engine_dir) / BUILD_FILE).read_text())
-        layers = json.loads((Path(engine_dir) / LAYERS_FILE).read_text())
+        build = json.loads((Path(engine_dir) / BUILD_FILE).read_text(encoding="utf-8"))
+        layers = json.loads((Path(engine_dir) / LAYERS_FILE).read_text(encoding="utf-8"))
         return {"build": {"plan": build["plan"], "compute_capabilities": build["compute_capabilities"],
                           "onnx_parsed_sha256": build["onnx_parsed_sha256"],
                           "precision_source": build["precision_source"], "build_only": True},

@@ -243,7 +243,7 @@ def _ops(mod) -> Counter:
 
 def read_meta(engine_dir: Path) -> dict:
     try:
-        return json.loads((engine_dir / META_FILE).read_text())
+        return json.loads((engine_dir / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         raise KilnError(f"{engine_dir / META_FILE}: missing or not JSON", "rebuild the engine (kiln compile <engine>)")
 
@@ -267,7 +267,8 @@ class Tvm:
         cxx = shutil.which(_cxx())
         if cxx is None:
             return Toolchain(self.name, False, f"linker {_cxx()!r} not found (install g++ or set CXX)")
-        cxx_version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+        cxx_version = subprocess.run([cxx, "--version"], capture_output=True, text=True, encoding="utf-8",
+                                     errors="replace").stdout.splitlines()[0]
         host = toolchain.cpu()
         llvm = toolchain.cached(["tvm-llvm", *versions.values(), host["machine"], host["isa"]], _llvm_facts)
         # `mcpu: host` compiles for this CPU: LLVM's name for it is a key, as is the ISA the kernels use
@@ -321,7 +322,7 @@ class Tvm:
                 "input": input_name, "sample_shape": shape[1:], "buckets": buckets, "kernels": kernels,
                 "ops": dict(sorted(ops.items())), "packed_calls": sorted(set(packed)),
                 "tuned": options.tuning is not None}
-        (out / META_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
+        (out / META_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [*files, out / META_FILE]
 
     def audit(self, engine_dir: Path, precision: str) -> OpSupport:

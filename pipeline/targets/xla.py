@@ -175,7 +175,7 @@ class Xla:
                 "calling_convention_version": exported.calling_convention_version,
                 "inputs": [str(a) for a in exported.in_avals], "outputs": [str(a) for a in exported.out_avals],
                 "torchax_placeholders": sorted(set(placeholders)), "export": EXPORT_FILE}
-        (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n")
+        (out / OPTIONS_FILE).write_text(json.dumps(meta, sort_keys=True, indent=1) + "\n", encoding="utf-8")
         return [out / EXPORT_FILE, out / OPTIONS_FILE]
 
     @staticmethod
@@ -195,7 +195,7 @@ class Xla:
         return OpSupport(precision, native, fallback, other)
 
     def manifest_extras(self, engine_dir: Path) -> dict:
-        meta = json.loads((engine_dir / OPTIONS_FILE).read_text())
+        meta = json.loads((engine_dir / OPTIONS_FILE).read_text(encoding="utf-8"))
         return {"build": {k: meta[k] for k in ("platforms", "calling_convention_version", "inputs", "outputs",
                                                "torchax_placeholders")}}
 
@@ -205,7 +205,7 @@ class Xla:
     def runnable(self, engine_dir: Path | None) -> tuple[bool, str]:
         if engine_dir is None:
             return True, ""
-        platforms = json.loads((engine_dir / OPTIONS_FILE).read_text())["platforms"]
+        platforms = json.loads((engine_dir / OPTIONS_FILE).read_text(encoding="utf-8"))["platforms"]
         if "cpu" not in platforms:
             return False, f"lowered for {', '.join(platforms)} only; this host's XLA backend is cpu"
         return True, ""
