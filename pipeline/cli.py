@@ -253,7 +253,6 @@ def cmd_release(args) -> int:
 
 def cmd_verify_release(args) -> int:
     from pipeline import system_release
-
     from pipeline.tables import shown
 
     for line in system_release.verify(Path(args.archive), Path(args.key)):     # an engine's or a system's
@@ -386,7 +385,6 @@ def cmd_rollback(args) -> int:
 
 def cmd_register_system(args) -> int:
     from pipeline.registry import systems
-
     from pipeline.tables import shown
 
     r = systems.register_system(_cfg(args), args.name, allow_failed=args.allow_failed)
@@ -421,8 +419,11 @@ def cmd_gallery_compat(args) -> int:
 
 def _warn_forged(forged: list[str]) -> None:
     """Registry tags that say other than the run's record: one loud line each (the record is what was shown)."""
-    for line in forged:
-        print(f"kiln: WARNING: {line} — the tag was edited in the registry; shown: the record", file=sys.stderr)
+    from pipeline.tables import shown
+
+    for line in forged:                  # it quotes the edited tag: escaped, bounded
+        print(f"kiln: WARNING: {shown(line, 400)} — the tag was edited in the registry; shown: the record",
+              file=sys.stderr)
 
 
 def cmd_history(args) -> int:
