@@ -147,14 +147,14 @@ def build(cfg, system: str, ref: str = "production", root: Path = Path("."), key
         with reg.lock(name):          # the alias read and the record under the lock every move takes
             settle(reg, name)
             version = _resolve(reg, name, system, ref)
-            v, _ = systems._prove(reg, name, version, scratch / "proof")        # what promote demands, and more
+            v, _, proven = systems._prove(reg, name, version, scratch / "proof")    # what promote demands, and more
             rel = f"{name}-v{version}"
             tree = scratch / rel
             sdir = tree / SYSTEM_DIR
             for f in (paths.SYSTEM_FILE, paths.VERDICT_FILE, manifest_path(Path(""), system).as_posix(),
                       f"{KILN_DIR}/{systems.PARTS_FILE}"):
                 release._copy(v.directory / f, sdir / f)
-            parts = _stage_parts(reg, name, version, v, tree, scratch)
+            parts = _stage_parts(v, proven, tree)
             values = v.manifest["params"]["values"]
             release._write(tree / CONFIG_FILE, values)
             gallery = _enrol(tree, v, deploy_config(values, tree / CONFIG_FILE), root)
@@ -180,19 +180,16 @@ def build(cfg, system: str, ref: str = "production", root: Path = Path("."), key
     return release.Release(dest, sha, name, version, recorded)
 
 
-def _stage_parts(reg, name: str, version: int, v, tree: Path, scratch: Path) -> list[dict[str, Any]]:
-    """Each pinned part downloaded, proven (its pin, its stored verdict) and copied to tree/engines/<engine>/;
-    release.json's rows of them."""
-    from pipeline.registry.releases import KILN_DIR, PARAM, _gate, download_verified
+def _stage_parts(v, proven: dict, tree: Path) -> list[dict[str, Any]]:
+    """Each pinned part, as `_prove` downloaded and verified it (`proven`: model → Verified), copied to
+    tree/engines/<engine>/; release.json's rows of them. A system's engines all ran on system@'s host, so each must
+    carry its own stored pass (a verdict attached later by another host is not enough here)."""
+    from pipeline.registry.releases import KILN_DIR, PARAM
 
     parts = []
     for p in v.parts:
-        ev = download_verified(reg, p.registered_model, p.version, scratch / "download" / p.engine)
-        if (identity_digest(ev.manifest), ev.params.get(PARAM + "sha256")) != (p.xxh3_128, p.sha256):
-            raise GateFailed(f"{name} v{version}: its part {p.registered_model} v{p.version} is no longer the "
-                             "build the system pinned", "register the system again (kiln register-system)")
-        _gate(reg, p.registered_model, p.version, ev, scratch / "attached" / p.engine)
-        if ev.verdict.get("verdict") != "pass":          # a system's engines all ran on system@'s host
+        ev = proven[p.model]
+        if ev.verdict.get("verdict") != "pass":
             raise GateFailed(f"{p.registered_model} v{p.version}: its stored verdict is not pass",
                              "validate it on a host with its runtime, then register the system again")
         edir = tree / ENGINES_DIR / p.engine
@@ -232,9 +229,9 @@ def re_enroll(cfg, system: str, version: int | str, root: Path = Path(".")) -> d
     with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-enrol-") as tmp:
         scratch = Path(tmp)
         systems._require(reg, name)
-        v, _ = systems._prove(reg, name, version, scratch / "proof")
+        v, _, proven = systems._prove(reg, name, version, scratch / "proof")
         tree = scratch / "tree"
-        _stage_parts(reg, name, version, v, tree, scratch)
+        _stage_parts(v, proven, tree)
         values = v.manifest["params"]["values"]
         release._write(tree / CONFIG_FILE, values)
         gallery = _enrol(tree, v, deploy_config(values, tree / CONFIG_FILE), root)

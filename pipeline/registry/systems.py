@@ -15,7 +15,7 @@
 
 `promote` proves the version before anything moves: its binding (releases.py `_binding`), every stored file against
 the stored manifest and the registered digests, the pins against the stored system.json, the system gate from the
-verified verdict.json, and each part with `check_version` (its stored, digest-checked verdict). When the system's
+verified verdict.json, and each part as `check_version` does (its stored, digest-checked verdict). When the system's
 embedder engine differs from the production system's, the candidate is measured against the gallery production
 enrolled (pipeline/gates/gallery_compat.py, limits `gallery_compat:`); outside the limits it is `re-enroll
 required`, refused unless `re_enroll` (recorded in the move's reason and its run's tags). Then every part's
@@ -47,10 +47,9 @@ from pipeline.manifest import (artifact_digest, canonical_json, check_files, ide
 from pipeline.registry.client import Registry, errors, redact, registered_name
 from pipeline.registry.registration import (_complete, _end_killed_runs, _ensure_registered_model, _flat, _log_model,
                                             _metrics)
-from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, _binding, _gate,
-                                        _move, _not_faster_note, actor_name, check_version, download_verified,
-                                        move_alias, now, pins, production_pins, recorded, retire, rollback_target,
-                                        settle)
+from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, Verified, _binding,
+                                        _gate, _move, _not_faster_note, actor_name, download_verified, move_alias,
+                                        now, pins, production_pins, recorded, retire, rollback_target, settle)
 
 PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name> (releases.SYSTEMS)
 COMPAT = "gallery_compat"     # a system move's record of its gallery check: parameters kiln.gallery_compat.*
@@ -315,21 +314,25 @@ def download_system(reg: Registry, name: str, version: int, dst: Path) -> Verifi
     return VerifiedSystem(local, system, manifest, described, verdict, parts)
 
 
-def _prove(reg: Registry, name: str, version: int, scratch: Path) -> tuple[VerifiedSystem, str]:
-    """Gate one system version for production: verified, its system gate passed, every part's stored verdict too."""
+def _prove(reg: Registry, name: str, version: int, scratch: Path) -> tuple[VerifiedSystem, str, dict[str, Verified]]:
+    """Gate one system version for production: verified, its system gate passed, every part's stored verdict too.
+    Each part stays downloaded and verified under `scratch` (model → Verified): what a release ships and
+    `identify --release` runs, never downloaded twice."""
     v = download_system(reg, name, version, scratch / f"system-v{version}")
     if v.verdict.get("verdict") != "pass":
         raise GateFailed(f"{name} v{version}: its stored system verdict is {str(v.verdict.get('verdict'))[:40]!r}, "
                          f"not 'pass' ({'; '.join(v.verdict.get('failures') or [])[:300]}); refusing to promote",
                          "fix the system, gate it again (dvc repro system@NAME), register and promote that version")
+    parts = {}
     for p in v.parts:
         params = reg.client.get_run(reg.version(p.registered_model, p.version).run_id).data.params
         if (params.get(PARAM + "manifest_xxh3_128"), params.get(PARAM + "sha256")) != (p.xxh3_128, p.sha256):
             raise GateFailed(f"{name} v{version}: its part {p.registered_model} v{p.version} is no longer the build "
                              "the system pinned", "register the system again (kiln register-system)")
-        check_version(reg, p.registered_model, p.version)
+        parts[p.model] = download_verified(reg, p.registered_model, p.version, scratch / "parts" / p.engine)
+        _gate(reg, p.registered_model, p.version, parts[p.model], scratch / "attached" / p.engine)   # = check_version
     return v, (f"system gate pass (stored, digest-checked); {len(v.parts)} parts' validations pass (stored, "
-               "digest-checked)")
+               "digest-checked)"), parts
 
 
 # ---------------------------------------------------------------------------------------------- gallery
@@ -359,13 +362,14 @@ def _compat_record(compat, current: int | None, re_enroll: bool) -> dict[str, st
     if compat is None:
         return {}
     head = f"{PARAM}{COMPAT}."
-    return {head + "verdict": compat.verdict, head + "candidate": compat.candidate,
-            head + "vs": f"{compat.production} (v{current})" if current is not None else compat.production,
-            head + "limits": json.dumps(compat.limits, sort_keys=True, default=float),
-            head + "metrics": json.dumps(compat.metrics, sort_keys=True, default=float),
-            head + "failures": "; ".join(compat.failures), head + "re_enroll": str(bool(re_enroll and compat.failures))
-            .lower(), **({head + "enrolment": json.dumps(compat.enrolment, sort_keys=True)} if compat.enrolment
-                         else {})}
+    fields = {"verdict": compat.verdict, "candidate": compat.candidate,
+              "vs": f"{compat.production} (v{current})" if current is not None else compat.production,
+              "limits": json.dumps(compat.limits, sort_keys=True, default=float),
+              "metrics": json.dumps(compat.metrics, sort_keys=True, default=float),
+              "failures": "; ".join(compat.failures), "re_enroll": str(bool(re_enroll and compat.failures)).lower()}
+    if compat.enrolment:
+        fields["enrolment"] = json.dumps(compat.enrolment, sort_keys=True)
+    return {head + k: v for k, v in fields.items()}
 
 
 def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action: str, actor: str | None,
@@ -490,7 +494,7 @@ def promote(cfg, system: str, version: int | str, root: Path = Path("."), actor:
         _require(reg, name)
         with reg.lock(name):
             settle(reg, name)
-            v, summary = _prove(reg, name, version, Path(tmp))
+            v, summary, _ = _prove(reg, name, version, Path(tmp))
             current = reg.aliases(name).get(PRODUCTION)
             compat = _compat_gate(cfg, reg, name, version, v, current, root, Path(tmp), re_enroll, "promote")
             return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll, current)
@@ -506,7 +510,7 @@ def rollback(cfg, system: str, root: Path = Path("."), actor: str | None = None,
         with reg.lock(name):
             settle(reg, name)
             current, target = rollback_target(reg, name, f"kiln promote --system {system_name(name)}")
-            v, summary = _prove(reg, name, target, Path(tmp))
+            v, summary, _ = _prove(reg, name, target, Path(tmp))
             compat = _compat_gate(cfg, reg, name, target, v, current, root, Path(tmp), re_enroll, "roll back")
             return _move_all(reg, name, target, v, "rollback", actor, reason, summary, compat, re_enroll, current)
 
@@ -557,13 +561,8 @@ def fetch_production(cfg, system: str, dst: Path, root: Path = Path(".")
             if version is None:
                 raise KilnError(f"{name}: no production version; production is what a face system's production "
                                 "version pins", f"promote one first: kiln promote --system {system_name(name)} VERSION")
-            v, _ = _prove(reg, name, version, dst / "proof")
-            dirs = {}
-            for p in v.parts:
-                ev = download_verified(reg, p.registered_model, p.version, dst / p.engine)
-                _gate(reg, p.registered_model, p.version, ev, dst / "attached" / p.engine)
-                dirs[p.model] = ev.directory
-    return version, v, dirs
+            v, _, parts = _prove(reg, name, version, dst)
+    return version, v, {model: part.directory for model, part in parts.items()}
 
 
 __all__ = ["Part", "SystemMove", "SystemReceipt", "VerifiedSystem", "download_system", "fetch_production",
