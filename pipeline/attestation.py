@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln_runtime.release import SLSA_PREDICATE  # noqa: F401 — what a deployment host checks the statement for
 from pipeline.manifest import sha256_file
 
-SLSA_PREDICATE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "https://kiln.invalid/buildtypes/dvc-repro/v1"   # names Kiln's build recipe (dvc.yaml); not fetched
 
 

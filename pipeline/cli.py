@@ -107,37 +107,19 @@ def _identify_release(args, rgbs) -> int:
             raise KilnError(f"{args.release}: an engine release, not a face system's",
                             "pass an archive made by `kiln release --system NAME`")
         d = system_release.deployed(tree, checked)
-        if args.system and d.system.system != args.system:
-            raise KilnError(f"{args.release}: a release of system {d.system.system}, not {args.system}",
-                            f"drop --system, or pass --system {d.system.system}")
+        if args.system and d.system_name != args.system:
+            raise KilnError(f"{args.release}: a release of system {d.system_name}, not {args.system}",
+                            f"drop --system, or pass --system {d.system_name}")
         print(f"release: {args.release} verified offline ({d.name} v{d.version}: {len(checked)} checks, signature "
               f"by {Path(args.key).name})")
         return _print_identities(d.system, rgbs)
 
 
 def _print_identities(system, rgbs) -> int:
-    """Each photo's faces: box, score, identity (or `unknown`), nearest and distance; exit 1 if one has none."""
-    from pipeline.data import MAX_SIDE
+    """kiln_runtime.cli's: `kiln identify` prints what `kiln-run identify` prints on a deployment host."""
+    from kiln_runtime.cli import print_identities
 
-    from pipeline.tables import shown
-
-    print("engines: " + ", ".join(f"{m}={shown(e)}" for m, e in system.engines.items()))
-    missing = 0
-    embedder = system.cfg.model(system.cfg.system(system.system).embedder)
-    rule = f"cosine ≥ {embedder.verify_threshold}" if embedder.metric == "cosine" else f"L2 < {embedder.verify_threshold}"
-    for path, rgb in rgbs:
-        matches = system.identify(rgb)
-        note = f" (downscaled to {rgb.shape[1]}×{rgb.shape[0]})" if max(rgb.shape[:2]) == MAX_SIDE else ""
-        if not matches:
-            print(f"{path}: no face found{note}")
-            missing += 1
-            continue
-        print(f"{path}: {len(matches)} face{'s' if len(matches) > 1 else ''}{note}")
-        for i, m in enumerate(matches):
-            box = ", ".join(f"{v:.0f}" for v in m.box)
-            print(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {shown(m.identity, 64)} "   # a file's labels
-                  f"(nearest {shown(m.nearest, 64)}, {m.metric} {m.distance:.3f}; same person when {rule})")
-    return 1 if missing else 0
+    return print_identities(system, rgbs)
 
 
 def cmd_compare(args) -> int:

@@ -1,5 +1,8 @@
-"""A stage's code, derived: the `pipeline/` files its module imports (any depth), their digests, and the versions of
-the third-party distributions they import.
+"""A stage's code, derived: the checkout's files its module imports (any depth), their digests, and the versions of
+the third-party distributions they import. The checkout's code is its packages (pipeline/checkout.py `PACKAGES`): the
+build's `pipeline/` and the deployment runtime's `runtime/kiln_runtime/`, which the build imports (what the gates
+judge is what a deployment host runs), so a stage that imports the runtime lists its files (`runtime/kiln_runtime/
+mtcnn.py`) as deps and digests them like its own, and kiln-runtime is never one of its third-party distributions.
 
 The closure is static: every `import` anywhere in a module counts (function-level imports included, `if
 TYPE_CHECKING:` blocks excepted), and importing `a.b.c` runs `a/__init__.py` and `a/b/__init__.py` too. A module
@@ -14,14 +17,15 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.checkout import PACKAGE, REPO
+from pipeline.checkout import PACKAGES, REPO, package_of
 
 
 def module_file(name: str) -> Path | None:
-    """`pipeline.stages.export` → pipeline/stages/export.py (or a package's __init__.py); None if not ours."""
-    if name != PACKAGE and not name.startswith(PACKAGE + "."):
+    """`pipeline.stages.export` → pipeline/stages/export.py, `kiln_runtime.mtcnn` → runtime/kiln_runtime/mtcnn.py
+    (or a package's __init__.py); None if not the checkout's (pipeline/checkout.py `PACKAGES`)."""
+    if (top := package_of(name)) is None:
         return None
-    base = REPO.joinpath(*name.split("."))
+    base = PACKAGES[top].joinpath(*name.split("."))
     for p in (base.with_suffix(".py"), base / "__init__.py"):
         if p.is_file():
             return p
@@ -41,11 +45,24 @@ def _is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
+def _package(path: Path) -> list[str] | None:
+    """The package (dotted parts) a file of the checkout's packages is in, which its relative imports start from;
+    None for any other file."""
+    path = Path(path).resolve()
+    for name, root in PACKAGES.items():
+        if path.is_relative_to(root / name):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            return parts[:-1]                       # a package's __init__.py is in the package itself
+    return None
+
+
 @lru_cache(maxsize=None)
 def _direct(path: Path, mtime_ns: int) -> tuple[frozenset[str], frozenset[str]]:
-    """(our modules, third-party top-level names) a file imports anywhere, except under `if TYPE_CHECKING:`."""
+    """(our modules, third-party top-level names) a file imports anywhere, except under `if TYPE_CHECKING:`; a
+    relative import (`from .mtcnn import Face`) in one of the checkout's packages counts as its absolute name."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     ours, theirs = set(), set()
+    package = _package(path)
 
     def visit(node: ast.AST) -> None:
         if _is_type_checking(node):
@@ -55,9 +72,12 @@ def _direct(path: Path, mtime_ns: int) -> tuple[frozenset[str], frozenset[str]]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level and package and node.level <= len(package):
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
         for n in names:
             top = n.split(".")[0]
-            if top == PACKAGE:
+            if package_of(n):
                 if module_file(n):
                     ours.add(n)
             elif top not in sys.stdlib_module_names and top != "__future__":
@@ -86,7 +106,8 @@ def closure(modules: list[str]) -> tuple[list[str], list[str]]:
         todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
         path = module_file(name) or project_module(name)
         if path is None:                 # an installed package (a user's factory from PyPI): a package version
-            theirs.add(name.split(".")[0])
+            if package_of(name) is None:     # (one of the checkout's names without a file: no distribution either)
+                theirs.add(name.split(".")[0])
             continue
         files.add(path)
         ours, others = _direct(path, path.stat().st_mtime_ns)
@@ -96,7 +117,8 @@ def closure(modules: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _relative(p: Path) -> str:
-    """A code file as dvc.yaml lists it: relative to the checkout (pipeline/), or to the project (a user's module)."""
+    """A code file as dvc.yaml lists it: relative to the checkout (pipeline/…, runtime/kiln_runtime/…), or to the
+    project (a user's module)."""
     try:
         return p.relative_to(REPO).as_posix()
     except ValueError:

@@ -142,7 +142,7 @@ class Preprocess:
 
 @frozen
 class Decode:
-    """A single-shot detector's decode (samples: retinaface, pipeline/models/retinaface.py)."""
+    """A single-shot detector's decode (samples: retinaface, kiln_runtime/retinaface.py)."""
     score_threshold: Annotated[Float, Field(gt=0, lt=1)] = 0.9
     nms_threshold: Annotated[Float, Field(gt=0, lt=1)] = 0.4
 

@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
 
+from kiln_runtime.images import MAX_PIXELS, MAX_SIDE, load_rgb  # noqa: F401 — photos decode as a deployment host decodes them
 from pipeline import paths
 from pipeline.config import Augment, DataConfig, SetSpec
 from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
 from pipeline.dvcfiles import address
 from pipeline.models.align import Aligner, align, chip_transform, jitter
-from pipeline.userfiles import open_regular
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 Landmarker = Callable[[np.ndarray, Path], np.ndarray]   # (rgb HWC uint8, path for messages) → (5, 2) landmarks
@@ -70,61 +69,6 @@ def list_photos(root: Path) -> list[Photo]:
     for name in sorted({p.identity for p in photos}):
         paths.identity(name, f"{root}: photo folder")
     return photos
-
-
-MAX_SIDE = 4096                 # larger photos are downscaled on decode (JPEG: by the decoder itself)
-MAX_PIXELS = 100_000_000        # beyond this a photo is refused before it is decoded (decompression bombs)
-
-
-def _eight_bit(im: Image.Image, path: Path) -> Image.Image:
-    """16-bit and float grey images as 8-bit levels, which convert("RGB") gets wrong (it clips 16-bit to white and
-    truncates float 0..1 to black). 16-bit: / 257 (65535 → 255). Float: values in [0, 1] are scaled by 255, values
-    in [0, 255] are levels as they are; any other range has no meaning Kiln can assume, so it is refused."""
-    if im.mode.startswith("I;16"):          # 16-bit grey (PNG, TIFF); 16-bit colour decodes to 8-bit RGB itself
-        return Image.fromarray(((np.asarray(im, np.uint32) + 128) // 257).astype(np.uint8), "L")   # rint(x / 257)
-    if im.mode == "F":
-        a = np.asarray(im, np.float32)
-        lo, hi = (float(a.min()), float(a.max())) if a.size else (0.0, 0.0)
-        if not (np.isfinite(a).all() and lo >= 0 and hi <= 255):
-            raise KilnError(f"{path}: a float image with values in [{lo:.4g}, {hi:.4g}]; Kiln reads float images in "
-                            "[0, 1] or [0, 255]", "convert it to an 8-bit image (JPEG or PNG)")
-        return Image.fromarray(np.rint(a * (255 if hi <= 1 else 1)).astype(np.uint8), "L")
-    if im.mode == "I":
-        raise KilnError(f"{path}: a 32-bit integer image has no brightness range Kiln can assume",
-                        "convert it to an 8-bit (or 16-bit PNG) image")
-    return im
-
-
-def load_rgb(path: Path, max_side: int = MAX_SIDE) -> np.ndarray:
-    """An image file as HWC uint8 RGB, EXIF orientation applied, longest side at most `max_side` (downscaled
-    deterministically); 16-bit and float images scaled to 8 bits (`_eight_bit`). A corrupt, non-image, non-regular
-    (a FIFO would hang the read) or oversized file is a KilnError naming the file."""
-    Image.MAX_IMAGE_PIXELS = MAX_PIXELS  # PIL raises DecompressionBombError past 2x this: refuse earlier, below
-    try:
-        with open_regular(path, "pass an image file; supported: JPEG, PNG, BMP, WebP") as f:
-            return _decode(f, path, max_side)
-    except KilnError:
-        raise
-    except Image.DecompressionBombError as e:      # PIL's own refusal, beyond twice the limit: header only
-        raise KilnError(f"{path}: too large ({e})".replace(" could be decompression bomb DOS attack.", ""),
-                        f"downscale it (longest side ≤ {max_side} is plenty for face detection)") from None
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise KilnError(f"{path}: not a readable image ({e.__class__.__name__}: {str(e)[:200]})",
-                        "replace or remove the file; supported: JPEG, PNG, BMP, WebP") from None
-
-
-def _decode(f, path: Path, max_side: int) -> np.ndarray:
-    with Image.open(f) as im:
-        w, h = im.size
-        if w * h > MAX_PIXELS:
-            raise KilnError(f"{path}: {w}×{h} pixels is too large (limit {MAX_PIXELS // 1_000_000} MP)",
-                            f"downscale it (longest side ≤ {max_side} is plenty for face detection)")
-        if max(w, h) > max_side:   # JPEG decodes at 1/2, 1/4 or 1/8 to a size in [max_side/2, max_side]:
-            im.draft("RGB", (max_side // 2, max_side // 2))  # never a full-size buffer
-        im = _eight_bit(ImageOps.exif_transpose(im), path).convert("RGB")
-        if max(im.size) > max_side:
-            im.thumbnail((max_side, max_side), Image.Resampling.BOX)
-        return np.asarray(im)
 
 
 def augmentation(spec: Augment, size: int, rng: np.random.Generator) -> dict:

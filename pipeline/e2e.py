@@ -1,12 +1,13 @@
 """End to end: photo → faces → chips → embeddings → identities, on the built engines of one target.
 
 A system (params.yaml `systems:`) is a detector and an embedder. `dlib-mtcnn`: the MTCNN nets, the aligner graph
-and the dlib embedder; a single-shot detector (`retinaface`) is one graph, decoded by its role (pipeline/roles/).
-The graphs run as compiled engines through the target protocol, each loaded only after its files verify against
-its manifest (pipeline/engines.py); only the glue between them (pyramid, anchors, NMS, box maths, the
-landmark→template fit) is numpy. An embedder with its own chip geometry (models.<m>.preprocess) has no aligner
-engine: its chips come from the same reference warp its image sets were made with. `System.eager()` builds the
-default system from the PyTorch reference modules, for comparison.
+and the dlib embedder; a single-shot detector (`retinaface`) is one graph. This module BUILDS systems from the
+checkout — engines by name, each loaded only after its files verify against its manifest (pipeline/engines.py),
+the golden gallery, a FAISS index — and the runtime RUNS them: `identify_frames` is kiln_runtime.system's, fed the
+Spec read back from what the system's system.json says (`described`), so system@ gates, sysbench@ loads and a
+deployment host (`kiln-run`) runs the same code on the same description. An embedder with its own chip geometry
+(models.<m>.preprocess) has no aligner engine: its chips come from the runtime's reference warp.
+`System.eager()` builds the system from the reference graphs (PyTorch modules), for comparison.
 
 Matching is a brute-force search over a gallery enrolled from the golden set's un-augmented chips with the system's
 own embedder, in its own metric (L2, or cosine between unit vectors) and threshold, or (`use_index`, the default
@@ -15,7 +16,7 @@ embedder only) the chosen FAISS index of a gallery size, verified before it is r
 
 from __future__ import annotations
 
-import time
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,16 +29,36 @@ from pipeline.dvcfiles import address
 from pipeline.config import MTCNN, Config
 from pipeline.data import load_set
 from pipeline.errors import KilnError
-from pipeline.vectors import as_l2
-from pipeline.models import mtcnn
-from pipeline.models.align import align as reference_warp
-from pipeline.models.align import chip_transform
-from pipeline.roles import registry as roles
+from kiln_runtime import system as run
+from kiln_runtime.mtcnn import DetectorConfig
+from kiln_runtime.system import Match, Spec  # noqa: F401 — a system's answers; how it runs (its system.json)
 from pipeline.samples import NETS           # the MTCNN cascade's models
 
 GRAPHS = (*NETS, "aligner", "embedder")
-STAGES = (*NETS, "detect_glue", "align", "embed", "match")
+STAGES = run.STAGES
 DEFAULT_SYSTEM = "dlib-mtcnn"
+
+
+def described(cfg: Config, system: str, aligner: bool) -> dict:
+    """How `system` runs, as its system.json says it (pipeline/gates/system.py `describe` writes these keys) and as
+    kiln_runtime reads it back (`Spec.described`): the detector and its settings, the embedder, the metric and
+    threshold, the chip geometry (`aligner`: an aligner engine warps)."""
+    from dataclasses import asdict
+
+    spec = cfg.system(system)
+    emb = cfg.model(spec.embedder)
+    if spec.detector == MTCNN:
+        detector = {"kind": MTCNN, **asdict(DetectorConfig(min_face_size=cfg.data.min_face_size))}
+    else:
+        dcfg = cfg.model(spec.detector)
+        detector = {"kind": dcfg.samples, "model": spec.detector, **asdict(dcfg.decode)}
+    pre = emb.preprocess
+    return {
+        "detector": detector, "embedder": spec.embedder,
+        "thresholds": {"metric": emb.metric, "verify_threshold": emb.verify_threshold},
+        "preprocessing": {"chip_size": cfg.data.chip_size, "template": [list(p) for p in cfg.data.template],
+                          "channels": "rgb", "aligner": aligner} if pre is None else {**asdict(pre), "aligner": False},
+    }
 
 
 def graphs(cfg: Config, system: str = DEFAULT_SYSTEM) -> tuple[str, ...]:
@@ -69,17 +90,6 @@ def resolve(cfg: Config, system: str = DEFAULT_SYSTEM, target: str | None = None
                             f"add one (e.g. {model}-{target}-fp32) and build it: dvc repro")
         picks[model] = pick.name
     return picks
-
-
-@dataclass(frozen=True)
-class Match:
-    box: tuple[float, float, float, float]
-    score: float
-    identity: str          # "unknown" when the nearest gallery face is beyond the threshold
-    nearest: str
-    distance: float        # L2 distance (metric l2) or cosine similarity (metric cosine) to the nearest
-    metric: str = "l2"
-    embedding: np.ndarray | None = field(default=None, repr=False, compare=False)   # the embedder's raw output
 
 
 @dataclass
@@ -174,7 +184,7 @@ class System:
             align = lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0]  # noqa: E731
         else:
             size = cfg.model(spec.embedder).preprocess.chip_size
-            chosen["align"] = f"pytorch reference warp {size}×{size} (no aligner engine for this chip geometry)"
+            chosen["align"] = f"reference warp {size}×{size} (numpy; no aligner engine for this chip geometry)"
         made = cls(name, nets, align, runners[spec.embedder].run, cfg, chosen, system=system)
         made.threads_used = {m: getattr(r, "threads", None) for m, r in runners.items()}
         return made
@@ -232,87 +242,23 @@ class System:
         up in `self.timings`."""
         return self.identify_frames([rgb], self.timings, exclude)[0]
 
+    @property
+    def spec(self) -> Spec:
+        """How this system runs, read back from what its system.json says (kiln_runtime's Spec): the runtime runs
+        exactly that, here and on a deployment host."""
+        if getattr(self, "_spec", None) is None:
+            doc = json.loads(json.dumps(described(self.cfg, self.system, self.align is not None)))
+            self._spec = Spec.described(doc, f"system {self.system}")
+        return self._spec
+
     def identify_frames(self, frames: list[np.ndarray], timings: dict[str, float],
                         exclude: int | None = None) -> list[list[Match]]:
-        """Faces per frame, as `identify` finds them, with the frames batched where it pays: detection and the
-        aligner run per frame (each frame its own pyramid; the aligner graph warps one image), then ONE embedder
-        call for every chip of every frame and ONE gallery search for all of them. Stage times (ms) add up in
-        `timings` (the caller's: a load test keeps one per worker)."""
+        """Faces per frame (kiln_runtime.system.identify_frames: detection and the aligner per frame, ONE embedder
+        call and ONE gallery search for all of them); stage times (ms) add up in `timings`."""
         if self.gallery is None:
             raise RuntimeError("enroll() the gallery first")
-        faces = [self._detect(rgb, timings) for rgb in frames]
-        chips = [self._chips(rgb, f, timings) for rgb, f in zip(frames, faces) if f]
-        if not chips:
-            return [[] for _ in frames]
-        emb = self._timed(timings, "embed", self.embed, np.concatenate(chips) if len(chips) > 1 else chips[0])
-        found = self._match(emb, exclude, timings)
-        mcfg = self._embedder
-        thr = mcfg.verify_threshold
-        same = (lambda d: d >= thr) if mcfg.metric == "cosine" else (lambda d: d < thr)  # noqa: E731
-        out, at = [], 0
-        for f in faces:
-            out.append([Match(x.box, x.score, n if same(d) else "unknown", n, d, mcfg.metric, e)
-                        for x, (n, d), e in zip(f, found[at:at + len(f)], emb[at:at + len(f)])])
-            at += len(f)
-        return out
-
-    @staticmethod
-    def _timed(timings: dict[str, float], stage: str, fn: Callable, *args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        timings[stage] = timings.get(stage, 0.0) + (time.perf_counter() - t0) * 1e3
-        return out
-
-    def _detect(self, rgb: np.ndarray, timings: dict[str, float]) -> list:
-        data, spec = self.cfg.data, self.cfg.system(self.system)
-        names = NETS if spec.detector == MTCNN else (spec.detector,)
-        nets = [(lambda s, f: (lambda x: self._timed(timings, s, f, x)))(s, f) for s, f in zip(names, self.nets)]
-        in_nets = sum(timings.get(s, 0.0) for s in names)
-        t0 = time.perf_counter()
-        if spec.detector == MTCNN:
-            faces = mtcnn.detect(rgb, *nets, mtcnn.DetectorConfig(min_face_size=data.min_face_size))
-        else:       # a single-shot detector: its role decodes it
-            dcfg = self.cfg.model(spec.detector)
-            faces = roles.get(dcfg.samples).detect(rgb, nets[0], dcfg)
-        # pyramid / anchors, crops, NMS and box maths: the detector's wall time minus what its nets took
-        glue = (time.perf_counter() - t0) * 1e3 - (sum(timings.get(s, 0.0) for s in names) - in_nets)
-        timings["detect_glue"] = timings.get("detect_glue", 0.0) + glue
-        return faces
-
-    def _chips(self, rgb: np.ndarray, faces: list, timings: dict[str, float]) -> np.ndarray:
-        """The embedder's input for `faces` of one frame: the aligner graph's warp, or the reference warp."""
-        mcfg = self._embedder
-        pre = mcfg.preprocess
-        template = np.asarray(self.cfg.data.template if pre is None else pre.template)
-        theta = np.stack([chip_transform(f.landmarks, template) for f in faces])
-        if self.align is not None:
-            image = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32)
-            return np.ascontiguousarray(self._timed(timings, "align", self.align, image, theta), np.float32)
-        # as the embedder's image sets were made: the reference warp, rounded to pixels, then its input
-        warp = lambda: samples.chip_input(  # noqa: E731
-            mcfg, np.clip(np.rint(reference_warp(rgb, theta, pre.chip_size)), 0, 255).astype(np.uint8))
-        return self._timed(timings, "align", warp)
-
-    def _match(self, emb: np.ndarray, exclude: int | None, timings: dict[str, float]) -> list[tuple[str, float]]:
-        """Nearest gallery identity and distance (cosine similarity for a cosine model) per embedding."""
-        mcfg = self._embedder
-        if self.index is not None and exclude is None:
-            return self._timed(timings, "match", self._search_index, emb)
-        gal, who = self.gallery
-        keep = np.arange(len(who)) != (-1 if exclude is None else exclude)
-        names = [n for n, k in zip(who, keep) if k]
-        gal_m, _ = as_l2(gal[keep], mcfg.verify_threshold, mcfg.metric)
-        q_m, _ = as_l2(emb, mcfg.verify_threshold, mcfg.metric)
-
-        def search():
-            d = np.linalg.norm(gal_m[None] - q_m[:, None], axis=2)      # (queries, gallery)
-            j = np.argmin(d, axis=1)
-            return [(names[int(k)], float(d[i, k])) for i, k in enumerate(j)]
-
-        found = self._timed(timings, "match", search)
-        if mcfg.metric == "cosine":     # report the similarity the model's threshold is written in
-            found = [(n, 1.0 - d * d / 2.0) for n, d in found]
-        return found
+        return run.identify_frames(self.spec, self.nets, self.align, self.embed, self.gallery, frames, timings,
+                                   exclude, self._search_index if self.index is not None else None)
 
     def _search_index(self, emb: np.ndarray) -> list[tuple[str, float]]:
         from pipeline.matching import index as ix

@@ -1,22 +1,9 @@
-"""The one user-facing error type. The CLI prints `kiln: error: <what>` and `hint: <fix>` and exits 2."""
+"""The one user-facing error type (kiln_runtime.errors: the deployment side raises the same), and how the build's
+processes treat SIGTERM. The CLI prints `kiln: error: <what>` and `hint: <fix>` and exits 2."""
 
 from __future__ import annotations
 
-
-class KilnError(Exception):
-    """An error the user can fix. `hint` says how; no traceback is shown for these."""
-
-    def __init__(self, message: str, hint: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-
-    def __str__(self) -> str:
-        return self.message + (f" (hint: {self.hint})" if self.hint else "")
-
-
-class GateFailed(KilnError):
-    """A validation or audit gate rejected an artifact; the CLI exits 1 so the DAG stops."""
+from kiln_runtime.errors import GateFailed, KilnError, deferred_signals  # noqa: F401 — one error type, build and runtime
 
 
 class Terminated(KeyboardInterrupt):
@@ -66,28 +53,3 @@ def exit_quietly() -> None:
 
     atexit.unregister(_quiet_signals)
     atexit.register(_quiet_signals)
-
-
-class deferred_signals:
-    """`with deferred_signals():` a short cleanup that must not be cut in half (stopping worker processes): a SIGINT
-    or SIGTERM that arrives inside it is held and acts (as KeyboardInterrupt / Terminated, or the default action)
-    when the block ends. Main thread only; elsewhere Python refuses handlers and this does nothing."""
-
-    def __enter__(self) -> "deferred_signals":
-        import signal
-        import threading
-
-        self.got: list[int] = []
-        self.old: dict = {}
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self.old[s] = signal.signal(s, lambda signum, frame: self.got.append(signum))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import signal
-
-        for s, handler in self.old.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        if self.got:
-            signal.raise_signal(self.got[0])

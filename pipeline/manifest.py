@@ -14,7 +14,6 @@ engine back to the weights, the data, the parameters, the code and the toolchain
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,53 +22,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import xxhash
-
+from kiln_runtime.digests import (SCHEMA, SUFFIX, artifact_digest, canonical_json, check_files,  # noqa: F401
+                                 file_digests, identity_digest, manifest_path, params_digest, read_manifest,
+                                 sha256_file, xxh3_128_hex)
 from pipeline.errors import KilnError
 from pipeline.paths import ARTIFACTS
-
-SCHEMA = "kiln.manifest/2"
-SUFFIX = ".manifest.json"
-_CHUNK = 1 << 20
 
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-# ---------------------------------------------------------------------------------------------- hashing
-def file_digests(path: Path, sha256: bool = True) -> dict[str, Any]:
-    """bytes, xxh3-128 (fast content id) and sha256 (tamper evidence) of one file, in one read."""
-    xx, sha, size = xxhash.xxh3_128(), hashlib.sha256() if sha256 else None, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            xx.update(chunk)
-            if sha is not None:
-                sha.update(chunk)
-            size += len(chunk)
-    out: dict[str, Any] = {"bytes": size, "xxh3_128": xx.hexdigest()}
-    if sha is not None:
-        out["sha256"] = sha.hexdigest()
-    return out
-
-
-def sha256_file(path: Path) -> str:
-    return file_digests(path)["sha256"]
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Deterministic JSON bytes: sorted keys, no whitespace variance, UTF-8."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def xxh3_128_hex(data: bytes) -> str:
-    return xxhash.xxh3_128(data).hexdigest()
-
-
-def params_digest(params: Any) -> str:
-    return hashlib.sha256(canonical_json(params)).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- atomic writes
@@ -154,10 +117,6 @@ def write_json_atomic(dest: Path, obj: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- manifest
-def manifest_path(directory: Path, name: str) -> Path:
-    return Path(directory) / f"{name}{SUFFIX}"
-
-
 def input_ref(role: str, manifest_file: Path, root: Path) -> dict[str, str]:
     """Reference an upstream artifact by its manifest's identity digest (after checking its files)."""
     m = read_verified(manifest_file, fast=True)
@@ -168,16 +127,6 @@ def input_ref(role: str, manifest_file: Path, root: Path) -> dict[str, str]:
 def file_input(role: str, path: Path, root: Path) -> dict[str, Any]:
     """Reference a plain input file (weights, photos) by its path under the root and its digests."""
     return {"role": role, "path": Path(os.path.relpath(path, root)).as_posix(), **file_digests(Path(path))}
-
-
-def identity_digest(manifest: dict[str, Any]) -> str:
-    return xxh3_128_hex(canonical_json(manifest))
-
-
-def artifact_digest(manifest: dict[str, Any]) -> str:
-    """sha256 over the sorted (path, sha256) pairs of the manifest's files: the artifact's content identity."""
-    pairs = sorted([f["path"], f["sha256"]] for f in manifest["files"])
-    return hashlib.sha256(canonical_json(pairs)).hexdigest()
 
 
 def build_manifest(*, kind: str, name: str, directory: Path, files: list[Path], inputs: list[dict[str, Any]],
@@ -203,42 +152,6 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> Path:
     path = manifest_path(directory, manifest["name"])
     write_json_atomic(path, manifest)
     return path
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        m = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise KilnError(f"{path}: manifest not found", "build the artifact first (dvc repro)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KilnError(f"{path}: not a valid manifest ({e})", "rebuild the artifact (dvc repro -f <stage>)") from None
-    if not isinstance(m, dict) or m.get("schema") != SCHEMA:
-        raise KilnError(f"{path}: not a Kiln manifest (schema {m.get('schema') if isinstance(m, dict) else None!r})",
-                        f"expected schema {SCHEMA!r}; rebuild the artifact (dvc repro -f <stage>)")
-    if not isinstance(m.get("files"), list) or not isinstance(m.get("inputs"), list):
-        raise KilnError(f"{path}: manifest has no files/inputs lists", "rebuild the artifact (dvc repro -f <stage>)")
-    return m
-
-
-def check_files(path: Path, manifest: dict[str, Any], fast: bool = False) -> list[str]:
-    """Each file's size and hashes against the manifest (fast: size + xxh3-128 only); mismatches, empty = OK."""
-    problems: list[str] = []
-    base = Path(path).parent.resolve()
-    for entry in manifest["files"]:
-        rel = entry.get("path", "")
-        f = (base / rel).resolve()
-        if Path(rel).is_absolute() or base not in f.parents:
-            problems.append(f"{rel}: file path leaves the manifest's directory")
-            continue
-        if not f.is_file():
-            problems.append(f"{Path(path).parent / rel}: missing")
-            continue
-        actual = file_digests(f, sha256=not fast)
-        for key in ("bytes", "xxh3_128") if fast else ("bytes", "xxh3_128", "sha256"):
-            if actual[key] != entry.get(key):
-                problems.append(f"{Path(path).parent / rel}: {key} is {actual[key]}, manifest says {entry.get(key)}")
-    return problems
 
 
 def verify_manifest(path: Path, root: Path | None = None, fast: bool = False) -> list[str]:

@@ -1,4 +1,4 @@
-"""Where each stage's artifacts live, and the one rule for names that become paths.
+"""Where each stage's artifacts live, and the one rule for names that become paths (kiln_runtime/names.py).
 
 dvc.yaml is generated from the same functions (pipeline/dag.py), so a stage's declared outs are these paths.
 
@@ -13,13 +13,12 @@ can hold a newline that forges an output line, a terminal escape, or a bidi char
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from kiln_runtime.names import NOT_IDENTITIES, SLUG, is_identity, is_slug, slug  # noqa: F401 — the one rule
 from pipeline.errors import KilnError
 
 ARTIFACTS = Path("artifacts")
-SLUG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
 PROGRAM_FILE = "program.pt2"     # in program/<model>/
 ONNX_FILE = "model.onnx"         # in export/<model>/ and quantized/<model>-<recipe>/
@@ -27,26 +26,6 @@ VALIDATION_FILE = "validation.json"
 BENCH_FILE = "bench.json"
 SYSTEM_FILE = "system.json"      # in systems/<name>/, beside VERDICT_FILE
 VERDICT_FILE = "verdict.json"
-
-
-def is_slug(name: object) -> bool:
-    return isinstance(name, str) and SLUG.fullmatch(name) is not None
-
-
-def slug(name: object, what: str = "name") -> str:
-    """`name` if it is a safe path component, else a KilnError naming it."""
-    if not is_slug(name):
-        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:79] + "…"      # never echo unbounded input
-        raise KilnError(f"{what} {shown} is not a valid name",
-                        "use 1-64 letters, digits, '-' or '_', starting with a letter or digit (no '/', '.', spaces)")
-    return name  # type: ignore[return-value]
-
-
-NOT_IDENTITIES = ("unknown", "distractor")      # what identify prints for no match and for a FAISS distractor
-
-
-def is_identity(name: object) -> bool:
-    return is_slug(name) and name not in NOT_IDENTITIES
 
 
 def identity(name: object, where: str) -> str:

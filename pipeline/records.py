@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.checkout import PACKAGE, REPO
+from pipeline.checkout import PACKAGES, REPO
 
 
 def git_state(repo: Path = REPO) -> dict[str, Any]:
@@ -66,11 +66,12 @@ def write_record(stage_name: str, root: Path, record: dict[str, Any]) -> Path:
 
 
 def _repo_relative(f: str) -> str | None:
-    try:
-        rel = Path(f).resolve().relative_to(REPO)
-    except ValueError:
-        return None
-    return rel.as_posix() if rel.parts and rel.parts[0] == PACKAGE else None
+    """A module file of the checkout's own packages (pipeline/…, runtime/kiln_runtime/…) as dvc.yaml lists it."""
+    path = Path(f).resolve()
+    for name, root in PACKAGES.items():
+        if path.is_relative_to(root / name):
+            return path.relative_to(REPO).as_posix()
+    return None
 
 
 def read_record(stage_name: str, root: Path = Path(".")) -> dict[str, Any] | None:

@@ -41,10 +41,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pipeline import attestation, paths, signing
-from pipeline.archive import DISK_FULL, safe_extract, write_archive
+from pipeline.archive import DISK_FULL, safe_extract, write_archive  # noqa: F401 — safe_extract: tests read with it
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import identity_digest, json_bytes, manifest_path, sha256_file
-from pipeline.release_content import MAX_DOC, SCHEMA, bounded, check_content
+from pipeline.release_content import SCHEMA, check_content
 
 RELEASES = Path("releases")
 SIG_SUFFIX = ".sig"
@@ -272,42 +272,14 @@ def verify(archive: Path, public_key: Path) -> list[str]:
         return done
 
 
-@contextmanager
-def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[str]] = check_content
-             ) -> Iterator[tuple[Path, list[str]]]:
+def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[str]] = check_content):
     """Verify a release archive offline and yield (the signed tree, extracted in a private temporary folder, what was
-    checked); the folder is removed on exit. `check(tree, signed name)` checks the content once the signature holds:
-    an engine release's by default; pipeline/system_release.py passes one that reads a system's release too."""
-    archive, public_key = Path(archive), Path(public_key)
-    if not archive.is_file():
-        raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
-    signing.load_public_key(public_key)
-    done: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp, _writing(Path(tmp)):
-        tmp = Path(tmp)
-        safe_extract(archive, tmp, top_file_max=MAX_DOC)
-        top = sorted(p.name for p in tmp.iterdir())
-        sigs = sorted(tmp.glob(f"*{SIG_SUFFIX}"))
-        dirs = sorted(p for p in tmp.iterdir() if p.is_dir())
-        if len(sigs) != 1 or len(dirs) != 1 or sigs[0].name != dirs[0].name + SIG_SUFFIX or len(top) != 2:
-            found = ", ".join(repr(n[:100]) for n in top[:5]) + (f" and {len(top) - 5} more" if len(top) > 5 else "")
-            raise GateFailed(f"{archive}: expected exactly <R>/ and <R>{SIG_SUFFIX} at the top, found {found}",
-                             "get the archive again")
-        tree, sig = dirs[0], sigs[0]
-        bounded(sig, sig.name)
-        signing.verify_tree(tree, sig, public_key)
-        signed_name = signing.signed_name(sig)
-        done.append(f"signature: model-signing bundle verified with {public_key.name}; every file's sha256 matches "
-                    f"the signed statement (subject {signed_name[:200]!r}), none unsigned")
-        try:
-            done += check(tree, signed_name)
-        except KilnError as e:        # messages quote the release's own values: bounded, whatever they hold
-            raise GateFailed(signing.one_line(e.message, 500), e.hint if isinstance(e, GateFailed) else
-                             "do not use this release") from None
-        except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as e:   # signed, not Kiln's layout
-            raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: "
-                             f"{signing.one_line(str(e), 200)})", "do not use this release") from None
-        yield tree, done
+    checked); the folder is removed on exit. kiln_runtime.release `verified` (a deployment host's, the one
+    implementation) with `check(tree, signed name)`: an engine release's content check by default;
+    pipeline/system_release.py passes one that reads a system's release too."""
+    from kiln_runtime.release import verified as runtime_verified
+
+    return runtime_verified(archive, public_key, check)
 
 
 __all__ = ["Release", "build", "release_all_production", "verified", "verify", "write_archive"]

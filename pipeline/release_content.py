@@ -4,51 +4,20 @@ MAX_DOC bytes is parsed."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from kiln_runtime.release import MAX_DOC, bounded, manifest_of, read_doc  # noqa: F401
 from pipeline import paths
 from pipeline.attestation import SLSA_PREDICATE
-from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import check_files, identity_digest, manifest_path, read_manifest
+from pipeline.errors import GateFailed
+from pipeline.manifest import check_files, identity_digest, manifest_path
 
 SCHEMA = "kiln.release/1"
-# Bounds on what Kiln reads from a release, applied before parsing (the archive's own: pipeline/archive.py; a key
-# file's: pipeline/signing.py)
-MAX_DOC = 8 << 20                                 # one JSON document: signature, release.json, a manifest, ...
-
-
-def bounded(path: Path, what: str) -> None:
-    """Refuse a document of a release that is larger than any real one, before anything parses it."""
-    size = path.stat().st_size if path.is_file() else 0
-    if size > MAX_DOC:
-        raise GateFailed(f"{what}: {size} bytes; no document of a release is over {MAX_DOC >> 20} MiB",
-                         "do not use this release")
-
-
-def _doc(path: Path, what: str) -> Any:
-    """A JSON document of the release, bounded in size and nesting; None when missing or not JSON."""
-    bounded(path, what)
-    try:
-        return json.loads(path.read_bytes())
-    except RecursionError:
-        raise GateFailed(f"{what}: JSON nested too deeply for a release document", "do not use this release") from None
-    except (OSError, ValueError):
-        return None
-
-
-def _manifest(path: Path, what: str) -> dict[str, Any]:
-    """A manifest of the release (read_manifest's checks), bounded like every document; a gate failure if bad."""
-    bounded(path, what)
-    try:
-        return read_manifest(path)
-    except RecursionError:
-        raise GateFailed(f"{what}: JSON nested too deeply for a manifest", "do not use this release") from None
-    except KilnError as e:
-        raise GateFailed(f"{what}: {e.message}", "do not use this release") from None
-
+# Bounds on what Kiln reads from a release, applied before parsing, and the bounded readers: the runtime's
+# (kiln_runtime/release.py), one implementation for the build and a deployment host.
+_doc, _manifest = read_doc, manifest_of
 
 
 def _safe_rel(tree: Path, rel: Any, what: str) -> Path:

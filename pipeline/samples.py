@@ -19,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.data import list_photos, load_rgb, to_nchw
+from kiln_runtime.system import Preprocess
+from kiln_runtime.system import chip_input as chip_input_of
+from pipeline.data import list_photos, load_rgb
 from pipeline.errors import KilnError
 from pipeline.manifest import file_input, xxh3_128_hex
 from pipeline.roles import registry
@@ -51,18 +53,10 @@ def chip_sets(cfg) -> dict[str, tuple[str, str | None]]:
 
 
 def chip_input(mcfg, chips: np.ndarray) -> np.ndarray:
-    """(N, S, S, 3) uint8 RGB chips → the model's (N, 3, S, S) float32 input: channel order, then (x - mean) / std."""
-    x = to_nchw(chips)
+    """(N, S, S, 3) uint8 RGB chips → the model's (N, 3, S, S) float32 input: channel order, then (x - mean) / std
+    (kiln_runtime.system.chip_input: the deployment host's)."""
     pre = mcfg.preprocess
-    if pre is None:
-        return x
-    if pre.channels == "bgr":
-        x = x[:, ::-1]
-    mean = np.asarray(pre.mean, np.float32)[None, :, None, None]
-    std = np.asarray(pre.std, np.float32)[None, :, None, None]
-    if (mean != 0).any() or (std != 1).any():
-        x = (x - mean) / std
-    return np.ascontiguousarray(x, np.float32)
+    return chip_input_of(chips, None if pre is None else Preprocess(pre.channels, tuple(pre.mean), tuple(pre.std)))
 
 
 # ---------------------------------------------------------------------------------------------- what feeds read

@@ -1,24 +1,27 @@
-"""Signing keys and signatures of a release tree: `kiln keygen`, reading keys, `sign_tree` / `verify_tree`.
+"""Signing keys and signatures of a release tree: `kiln keygen`, reading keys, `sign_tree`; `verify_tree` re-exported.
 
 Signing is offline with a local EC P-256 key (`kiln keygen`; its path from $KILN_SIGNING_KEY, never inside the
 repository). ECDSA normally draws a random nonce, which would make every archive different; the key is used with
 RFC 6979 deterministic nonces (cryptography's `deterministic_signing`), so the same inputs give the same signature
 and the same archive sha256 — a standard ECDSA signature that model-signing's own verifier (and any other) accepts.
 This is the one module that touches model-signing's private modules (`_model_signing_internals`).
+
+Verifying (`verify_tree`, `signed_name`, `load_public_key`, `one_line`) lives in the runtime,
+kiln_runtime/signature.py, with `cryptography` alone: a deployment host checks a release without model-signing,
+sigstore or pydantic, and the build verifies with that same code. tests/test_runtime_signature.py checks that it and
+model-signing's own verifier accept and refuse the same trees.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import stat
 from pathlib import Path
 
-from pipeline.errors import GateFailed, KilnError
+from kiln_runtime.signature import (_MAX_KEY, _read_key, load_public_key, one_line,  # noqa: F401  (re-exported)
+                                    signed_name, verify_tree)
+from pipeline.errors import KilnError
 
 KEY_ENV = "KILN_SIGNING_KEY"
-_MAX_KEY = 64 << 10                               # a PEM key file
 
 
 # ---------------------------------------------------------------------------------------------- keys
@@ -39,19 +42,6 @@ def key_path(given: str | None = None) -> Path:
         raise KilnError(f"no signing key: pass --key or set {KEY_ENV}",
                         f"make one with `kiln keygen --out ~/.config/kiln/signing-key.pem` and export {KEY_ENV}")
     return Path(raw).expanduser()
-
-
-def _read_key(path: Path, what: str, hint: str) -> bytes:
-    """A key file's bytes: a regular file of at most _MAX_KEY bytes (not a FIFO, a device or a padded file)."""
-    try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_KEY:
-            raise KilnError(f"{path}: not a {what} (a PEM key is a regular file under {_MAX_KEY >> 10} KiB)", hint)
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise KilnError(f"{path}: no such {what}", hint) from None
-    except OSError as e:
-        raise KilnError(f"{path}: cannot read the {what} ({e.strerror})", hint) from None
 
 
 def keygen(private: Path) -> tuple[Path, Path]:
@@ -181,61 +171,3 @@ def sign_tree(tree: Path, signature: Path, private_key: Path) -> None:
     bundle = bundle_pb.Bundle(media_type=sigstore_pb._BUNDLE_MEDIA_TYPE, dsse_envelope=envelope,
                               verification_material=signer._get_verification_material())
     sigstore_pb.Signature(bundle).write(Path(signature))
-
-
-def verify_tree(tree: Path, signature: Path, public_key: Path) -> None:
-    """model-signing's verifier: the signature over the statement, then every file's sha256 (extra or missing files
-    fail too). Raises GateFailed naming what failed."""
-    from model_signing import verifying
-
-    try:
-        verifying.Config().use_elliptic_key_verifier(public_key=Path(public_key)).set_hashing_config(_hashing()) \
-            .verify(Path(tree), Path(signature))
-    except Exception as e:  # noqa: BLE001 — model-signing raises ValueError, InvalidSignature, JSON and proto errors
-        msg = str(e) or type(e).__name__
-        hint = "do not use this release; get the archive and the publisher's key again"
-        if changed := re.findall(r"Hash mismatch for \\*'([^'\\]+)", msg):
-            raise GateFailed(f"signed content: {', '.join(changed[:5])[:500]}: sha256 differs from the signed "
-                             "statement", hint) from None
-        if msg.startswith("Signature mismatch"):                    # files added or removed after signing
-            raise GateFailed(f"signed content: {one_line(msg, 500)}", hint) from None
-        if callable(getattr(e, "errors", None)):                     # pydantic (the bundle's schema): first error
-            first = e.errors()[0]
-            msg = f"{'.'.join(map(str, first.get('loc', ())))}: {first.get('msg')}"
-        raise GateFailed(f"signature: {one_line(msg, 300)} ({type(e).__name__})", hint) from None
-
-
-def one_line(text: str, limit: int) -> str:
-    """A message from a library (often several lines, sometimes quoting its input) as one bounded line, any control
-    or bidi character in it shown escaped (pipeline/tables.py `shown`)."""
-    from pipeline.tables import shown
-
-    return shown(" ".join(text.split()), limit)
-
-
-def load_public_key(path: Path) -> None:
-    """A user error (exit 2), not a failed verification, when the key itself is missing or unusable."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    pem = _read_key(Path(path), "public key", "pass the publisher's .pub key (kiln keygen writes it)")
-    try:
-        key = serialization.load_pem_public_key(pem)
-    except (ValueError, TypeError) as e:
-        raise KilnError(f"{path}: not a PEM public key ({one_line(str(e), 200)})",
-                        "pass the publisher's public key (KEY.pub), not the private key") from None
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise KilnError(f"{path}: not an EC public key", "pass the .pub written by kiln keygen")
-
-
-def signed_name(sig: Path) -> str:
-    """The subject name inside the signed statement (model-signing: the signed directory's name)."""
-    import base64
-
-    try:
-        bundle = json.loads(sig.read_bytes())
-        statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
-        return str(statement["subject"][0]["name"])
-    except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
-        raise GateFailed(f"signature: unreadable statement ({one_line(str(e), 200)})", "get the archive again") \
-            from None

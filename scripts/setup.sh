@@ -52,6 +52,10 @@ if printf '%s\n' "${PROFILES[@]}" | grep -qx edge; then
   .venv-litert/bin/python -m pip check >/dev/null || { .venv-litert/bin/python -m pip check; exit 1; }
 fi
 pipi --no-deps --no-build-isolation -e .
+# The deployment runtime (runtime/: kiln_runtime, `kiln-run`), editable: the build's stages import it, so what the
+# gates judge is the code a deployment host runs. Its dependencies are in the main lock (runtime/lockfile.in is
+# resolved against it); a deployment host installs runtime/lockfile.txt instead (docs/layout.md: Lockfiles).
+pipi --no-deps --no-build-isolation -e runtime
 # Debian packages the tests use, installed here if missing: chromium (the HTML report is rendered in it),
 # postgresql (the shared-registry test runs scripts/registry-server.sh), openssh-server (scripts/remote-server.sh),
 # qemu-user (`kiln rebuild-check --cpu`: the portable stages rebuilt on an emulated CPU of another ISA class).

@@ -479,3 +479,31 @@ def render_in_chromium(page: Path, screenshot: str, height: int = 2400, min_png:
     assert (ARTIFACTS / screenshot).stat().st_size > min_png, "the screenshot is (nearly) empty"
     console = [line for out in (shot.stderr, dom.stderr) for line in out.splitlines() if ":CONSOLE" in line]
     return dom.stdout, console
+
+
+# ---------------------------------------------------------------------------------------------- the deployment side
+BUILD_ONLY = ("torch", "dvc", "mlflow", "onnx", "pydantic", "model_signing", "yaml", "pipeline")
+
+
+@pytest.fixture(scope="session")
+def runtime_venv(tmp_path_factory) -> Path:
+    """A fresh venv made from runtime/lockfile.txt alone (hash-checked, no dependency resolution) plus the
+    kiln-runtime wheel built from this checkout: what a deployment host installs. Fails — never skips — if it cannot
+    be made; asserts that nothing of the build is importable there."""
+    base = tmp_path_factory.mktemp("runtime-venv")
+    venv, wheels = base / "venv", base / "wheels"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    quiet = ["--disable-pip-version-check", "-q"]
+    subprocess.run([str(py), "-m", "pip", "install", *quiet, "--require-hashes", "--no-deps", "-r",
+                    str(REPO / "runtime" / "lockfile.txt")], check=True, timeout=900)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", *quiet, "--no-deps", "--no-build-isolation",
+                    str(REPO / "runtime"), "-w", str(wheels)], check=True, timeout=300, cwd=base)
+    subprocess.run([str(py), "-m", "pip", "install", *quiet, "--no-deps", *map(str, wheels.glob("*.whl"))],
+                   check=True, timeout=300)
+    subprocess.run([str(py), "-m", "pip", "check"], check=True, timeout=120)
+    found = subprocess.run([str(py), "-c", "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] "
+                            "if importlib.util.find_spec(m) is not None))", *BUILD_ONLY],
+                           capture_output=True, text=True, check=True, cwd=base, timeout=60).stdout.split()
+    assert found == [], f"the runtime venv can import {found}"
+    return venv

@@ -110,12 +110,14 @@ def changed_deps(root: Path) -> dict[str, set[str]]:
 
 @pytest.mark.slow
 def test_editing_a_module_stales_exactly_the_stages_that_import_it(repo):
-    """Every pipeline module and README.md edited at once, one `dvc status`: DVC must report each stage changed in
-    exactly the modules its lock lists (so editing any one module alone stales exactly the stages that import it),
-    and the modules no stage imports (the CLI, the release tools, …) and README.md in none. One module is then
-    edited alone, as a user would, and stales exactly its importers."""
+    """Every pipeline module, every runtime module (runtime/kiln_runtime: the build imports it) and README.md edited
+    at once, one `dvc status`: DVC must report each stage changed in exactly the modules its lock lists (so editing
+    any one module alone stales exactly the stages that import it), and the modules no stage imports (the CLI, the
+    release tools, …) and README.md in none. One module is then edited alone, as a user would, and stales exactly
+    its importers."""
     deps = resolved_deps(repo)
-    edited = sorted(p.relative_to(repo).as_posix() for p in (repo / "pipeline").rglob("*.py")) + ["README.md"]
+    edited = sorted(p.relative_to(repo).as_posix() for d in ("pipeline", "runtime/kiln_runtime")
+                    for p in (repo / d).rglob("*.py")) + ["README.md"]
     originals = {rel: (repo / rel).read_bytes() for rel in edited}
     t0 = time.perf_counter()
     try:

@@ -19,7 +19,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline import config, dag, onnx_import, profiles, samples
-from pipeline.models import retinaface
+from kiln_runtime import retinaface
 from pipeline.errors import KilnError
 from pipeline.gates.facemetrics import face_metrics
 from pipeline.vectors import as_l2

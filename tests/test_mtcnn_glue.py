@@ -1,4 +1,4 @@
-"""The vectorised MTCNN glue (pipeline/models/mtcnn.py) against a plain reference cascade kept here.
+"""The vectorised MTCNN glue (kiln_runtime/mtcnn.py) against a plain reference cascade kept here.
 
 The reference is the cascade as facenet-pytorch writes it: torch's area interpolation for every pyramid level and
 every crop (zero-padded outside the photo), P-Net's hits decoded and NMS'd one level at a time, NMS one kept box at
@@ -15,7 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pipeline.models import mtcnn as M
+from kiln_runtime import mtcnn as M
+from pipeline.models import mtcnn as torch_nets
 
 PHOTOS = ["person_a_1", "person_a_2", "person_b_1", "person_b_2", "impostor_1", "impostor_2"]
 
@@ -118,7 +119,7 @@ def plain_detect(rgb: np.ndarray, pnet, rnet, onet, cfg: M.DetectorConfig) -> li
 @pytest.fixture(scope="module")
 def nets(assets_dir: Path) -> list:
     weights = (assets_dir / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet"))
-    return [M.torch_runner(n) for n in M.load_nets(*weights)]
+    return [torch_nets.torch_runner(n) for n in torch_nets.load_nets(*weights)]
 
 
 @pytest.fixture(scope="module")

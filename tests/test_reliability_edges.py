@@ -77,7 +77,7 @@ def test_a_sysbench_plan_no_host_could_run_is_refused_with_the_params(tmp_path, 
 
 FAKE_WORKERS = '''
 import os, time
-def stalled(params, root, system, picks, threads, frames, budget_ms, max_batch, current, jobs, results):
+def stalled(maker, kwargs, threads, frames, budget_ms, max_batch, current, jobs, results):
     results.put(("ready", os.getpid(), {}))
     time.sleep(600)                 # a worker stuck in one batch: it reads no job again
 def dies(*args):
@@ -90,9 +90,10 @@ from types import SimpleNamespace as NS
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import fakeworker
+from kiln_runtime import loadtest
 from pipeline.sysbench import load
 from pipeline.stage import report_errors
-load._worker, load.WARMUP_S, load.STOP_TIMEOUT_S = getattr(fakeworker, sys.argv[2]), 0.1, 1.0
+loadtest._worker, loadtest.WARMUP_S, loadtest.STOP_TIMEOUT_S = getattr(fakeworker, sys.argv[2]), 0.1, 1.0
 cfg = NS(source="p", sysbench=NS(streams=(40,), fps=240.0, seconds=0.1, p99_budget_ms=100.0, max_batch=8, workers=1))
 def go():
     r = load.sweep(cfg, "stub", {}, [np.zeros((4, 4, 3), np.uint8)], progress=lambda m: None)

@@ -1,7 +1,9 @@
 """The shape of the code, checked (issue 33): the import graph of pipeline/ has no cycles; no module imports a stage
 module (a stage is its STAGE, run and main: a library never lives in one); each stage module is short; and the
 derived closures are narrow — a package bump reruns only the stages whose code uses it, an edit of the face-metric
-maths reruns the gates and none of the builds.
+maths reruns the gates and none of the builds. The deployment runtime (runtime/kiln_runtime, section f) imports
+nothing of the build, its lock holds nothing of the build and pins the build's versions, and the closures follow it
+like pipeline/ code.
 
 Imports are read as the DAG reads them: by the project's own reader (`_direct`, beside `closure`; module-level and
 function-level imports alike, `if TYPE_CHECKING:` blocks excepted). Closures are those of the declarations rendered
@@ -305,10 +307,12 @@ def _unencoded_calls(tree) -> list:
 
 def test_every_text_file_kiln_reads_or_writes_names_its_encoding():
     """Path.read_text / write_text, open() and os.fdopen in text mode, io.TextIOWrapper, tempfile's text modes and
-    subprocess text pipes in pipeline/, bench/ and scripts/ all name their encoding: never the locale's."""
+    subprocess text pipes in pipeline/, bench/, scripts/ and the runtime (runtime/kiln_runtime/) all name their
+    encoding: never the locale's."""
     import ast
 
-    files = [p for d in ("pipeline", "bench") for p in sorted((REPO / d).rglob("*.py")) if "__pycache__" not in p.parts]
+    files = [p for d in ("pipeline", "bench", "runtime/kiln_runtime") for p in sorted((REPO / d).rglob("*.py"))
+             if "__pycache__" not in p.parts]
     files += sorted((REPO / "scripts").glob("*.py"))
     assert len(files) > 100, len(files)
     bad = {rel(p): hits for p in files if (hits := _unencoded_text_io(ast.parse(p.read_bytes(), str(p))))}
@@ -326,3 +330,183 @@ def test_the_encoding_check_sees_each_kind_of_call():
            "tarfile.open(p)\nsubprocess.run(c, capture_output=True)\nopen(p, 'w', encoding='utf-8')\n"
            "subprocess.run(c, text=True, encoding='utf-8')\ntempfile.NamedTemporaryFile()\nopen(p, **kw)\n")
     assert [line for line, _ in _unencoded_text_io(ast.parse(src))] == list(range(1, 10))
+
+
+# ---------------------------------------------------------------------------------------------- (f) the runtime
+# kiln-runtime (runtime/, import name kiln_runtime) is what a deployment host installs: the build imports it (so what
+# the gates judged is what runs), never the other way round, and its lock holds nothing of the build.
+RUNTIME = REPO / "runtime"
+RUNTIME_PKG = RUNTIME / "kiln_runtime"
+RUNTIME_LOCKS = sorted(RUNTIME.glob("lockfile*.txt"))
+# Top-level import names no runtime module may import (function level and `if TYPE_CHECKING:` included): the build's
+# own package and the build-only packages. `onnx` is exactly that name: onnxruntime is the runtime's engine.
+BUILD_ONLY_IMPORTS = {"pipeline", "torch", "dvc", "mlflow", "onnx", "pydantic", "model_signing", "sigstore", "yaml"}
+# Distributions the runtime's locks must not hold (PEP 503 names).
+BUILD_ONLY_DISTS = {"torch", "dvc", "mlflow", "mlflow-skinny", "onnx", "pydantic", "model-signing", "sigstore"}
+
+
+def runtime_files() -> list[Path]:
+    files = sorted(p for p in RUNTIME_PKG.rglob("*.py") if "__pycache__" not in p.parts)
+    assert RUNTIME_PKG / "__init__.py" in files, f"no package at {RUNTIME_PKG}"
+    return files
+
+
+def every_import(path: Path) -> dict[str, int]:
+    """Top-level name → first line, of every absolute import anywhere in `path` (module level, function level, under
+    `if TYPE_CHECKING:`) and every `importlib.import_module("…")` / `__import__("…")` of a literal name."""
+    import ast
+
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            if (f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None) in \
+                    ("import_module", "__import__"):
+                names = [node.args[0].value]
+        for n in names:
+            found.setdefault(n.split(".")[0], node.lineno)
+    return found
+
+
+def canonical(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def lock_entries(lock: Path) -> dict[str, tuple[str, list[str]]]:
+    """A uv/pip hash-locked requirements file: canonical name → (the requirement line, its sha256 hashes)."""
+    text = re.sub(r"\\\n\s*", " ", lock.read_text(encoding="utf-8"))          # join the continuation lines
+    out: dict[str, tuple[str, list[str]]] = {}
+    for line in text.splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        req = line.split()[0]
+        name = re.split(r"[=<>!~; \[]", req, maxsplit=1)[0]
+        out[canonical(name)] = (line, re.findall(r"--hash=sha256:([0-9a-f]{64})\b", line))
+    return out
+
+
+def test_the_runtime_imports_nothing_of_the_build():
+    """No module of runtime/kiln_runtime imports `pipeline` or a build-only package (torch, DVC, MLflow, onnx,
+    pydantic, model-signing, Sigstore, PyYAML), at any level: a deployment host has none of them."""
+    files = runtime_files()
+    bad = {f"{rel(p)}:{line}": top for p in files for top, line in every_import(p).items()
+           if top in BUILD_ONLY_IMPORTS}
+    assert not bad, "the runtime imports what only the build has:\n" + "\n".join(
+        f"  {where}: import {top}" for where, top in sorted(bad.items()))
+
+
+def test_the_import_graph_of_the_runtime_has_no_cycles():
+    found = cycles({rel(p): imports(p)[0] - {rel(p)} for p in runtime_files()})
+    assert not found, "import cycles in runtime/kiln_runtime:\n" + "\n".join(" → ".join(c) for c in found)
+
+
+def test_the_import_scan_sees_each_kind_of_import(tmp_path):
+    """The scanner itself: function-level, TYPE_CHECKING, `from` and import_module imports all count; a relative
+    import and `onnxruntime` (not `onnx`) do not trip it."""
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nimport onnxruntime\nfrom . import x\n"
+                   "if TYPE_CHECKING:\n    import torch\n"
+                   "def f():\n    from pipeline.manifest import a\n    import yaml\n"
+                   "    importlib.import_module('mlflow.pyfunc')\n    return __import__('onnx')\n", encoding="utf-8")
+    found = every_import(src)
+    assert set(found) & BUILD_ONLY_IMPORTS == {"torch", "pipeline", "yaml", "mlflow", "onnx"}, found
+    assert "onnxruntime" in found and "x" not in found
+
+
+def test_the_runtime_lock_is_hash_locked_and_holds_nothing_of_the_build():
+    """runtime/lockfile.txt (and each extra's lock beside it): every requirement pinned `==` with its sha256 hashes,
+    none of them a build-only distribution, and each at the build lock's exact version (lockfiles/main.txt), so a
+    deployment host computes with the numerics the build's gates judged."""
+    assert RUNTIME / "lockfile.txt" in RUNTIME_LOCKS, RUNTIME_LOCKS
+    main = lock_entries(REPO / "lockfiles/main.txt")
+    for lock in RUNTIME_LOCKS:
+        entries = lock_entries(lock)
+        assert {"numpy", "onnxruntime"} <= set(entries), (lock.name, sorted(entries))
+        unpinned = sorted(line for line, hashes in entries.values()
+                          if not re.match(r"^[A-Za-z0-9._-]+==[^\s=]+ ", line + " ") or not hashes)
+        assert not unpinned, f"{lock.name}: requirements not pinned with == and --hash=sha256: {unpinned}"
+        assert not set(entries) & BUILD_ONLY_DISTS, f"{lock.name}: {sorted(set(entries) & BUILD_ONLY_DISTS)}"
+        version = lambda line: line.split()[0].partition("==")[2]                      # noqa: E731
+        off = {n: (version(line), version(main[n][0]) if n in main else None) for n, (line, _) in entries.items()
+               if n not in main or version(line) != version(main[n][0])}
+        assert not off, f"{lock.name}: not the build lock's versions (runtime, lockfiles/main.txt): {off}"
+
+
+def test_every_package_the_runtime_imports_is_in_its_lock_or_an_extra():
+    """Each third-party top-level module a runtime module imports is provided (importlib.metadata, in this venv) by a
+    distribution that runtime/lockfile.txt pins or that an extra of runtime/pyproject.toml names."""
+    import sys
+    import tomllib
+    from importlib import metadata
+
+    project = tomllib.loads((RUNTIME / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = {canonical(re.split(r"[=<>!~; \[]", r, maxsplit=1)[0])
+              for reqs in project.get("optional-dependencies", {}).values() for r in reqs}
+    locked = set(lock_entries(RUNTIME / "lockfile.txt"))
+    provided = metadata.packages_distributions()
+    missing = {}
+    for p in runtime_files():
+        for top, line in every_import(p).items():
+            if top in sys.stdlib_module_names or top in ("__future__", "kiln_runtime"):
+                continue
+            dists = {canonical(d) for d in provided.get(top, [])}
+            if not dists & (locked | extras):
+                missing[f"{rel(p)}:{line}"] = f"{top} ({', '.join(sorted(dists)) or 'no installed distribution'})"
+    assert not missing, ("runtime imports no lock or extra provides (add the distribution to runtime/lockfile.in and "
+                         "runtime/pyproject.toml, or to an extra):\n"
+                         + "\n".join(f"  {w}: {m}" for w, m in sorted(missing.items())))
+
+
+def test_the_closure_follows_the_runtime_like_pipeline_code(declared):
+    """A pipeline module that imports kiln_runtime has the runtime's files in its closure (repo-relative:
+    runtime/kiln_runtime/…), transitively, and kiln-runtime among none of its third-party distributions; the
+    rendered dvc.yaml lists those paths as deps, and the stage records recognise them as the checkout's code."""
+    from pipeline import records
+
+    r = reader()
+    importers = {p: ours for p in pipeline_files()
+                 if (ours := {n for n in r._direct(p, p.stat().st_mtime_ns)[0] if n.split(".")[0] == "kiln_runtime"})}
+    assert importers, "no module under pipeline/ imports kiln_runtime: the build must run the runtime's code"
+    runtime_rel = {rel(p) for p in runtime_files()}
+    for path, names in importers.items():
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        files, theirs = r.closure([module])
+        direct = {rel(r.module_file(n)) for n in names} | {"runtime/kiln_runtime/__init__.py"}
+        assert direct <= set(files), (module, sorted(direct - set(files)))
+        assert "kiln_runtime" not in theirs and "kiln-runtime" not in r.distributions(theirs), (module, theirs)
+        # transitively: what those runtime files import is in the closure too
+        for f in sorted(set(files) & runtime_rel):
+            for top_name in r._direct(REPO / f, (REPO / f).stat().st_mtime_ns)[0]:
+                assert rel(r.module_file(top_name)) in files, (module, f, top_name)
+    for f in runtime_rel:
+        assert records._repo_relative(str(REPO / f)) == f
+    listed = {d for s in declared.values() for d in s["deps"] if d.startswith("runtime/")}
+    assert listed, "no stage lists a runtime file as a dependency"
+    assert listed <= runtime_rel, sorted(listed - runtime_rel)
+
+
+def test_relative_imports_in_the_checkouts_packages_count(tmp_path, monkeypatch):
+    """`from . import x` / `from ..y import z` in one of the checkout's packages (the runtime may write them) are
+    followed like their absolute names: the closure would otherwise miss a file the stage runs."""
+    from pipeline import checkout
+
+    r = reader()
+    pkg = tmp_path / "kilnprobe"
+    (pkg / "sub").mkdir(parents=True)
+    for name, text in {"__init__.py": "", "b.py": "import numpy\n", "c.py": "", "d.py": "",
+                       "a.py": "from . import b\nfrom .c import X\n", "sub/__init__.py": "from .. import d\n",
+                       "sub/e.py": "from ..c import Y\nfrom .... import nothing\n"}.items():
+        (pkg / name).write_text(text, encoding="utf-8")
+    monkeypatch.setitem(checkout.PACKAGES, "kilnprobe", tmp_path)
+    monkeypatch.chdir(tmp_path)
+    files, theirs = r.closure(["kilnprobe.a", "kilnprobe.sub.e"])
+    assert files == ["kilnprobe/__init__.py", "kilnprobe/a.py", "kilnprobe/b.py", "kilnprobe/c.py", "kilnprobe/d.py",
+                     "kilnprobe/sub/__init__.py", "kilnprobe/sub/e.py"], files
+    assert theirs == ["numpy"], theirs

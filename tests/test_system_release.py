@@ -13,10 +13,13 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from kiln_runtime import release as runtime_release
+from kiln_runtime import system as runtime_system
 from pipeline import cli, config, paths, release, signing, system_release
 from pipeline.archive import safe_extract, write_archive
 from pipeline.data import list_photos, load_rgb
@@ -410,12 +413,177 @@ def test_a_good_gallery_passes_and_the_bounds_are_checked_first(tmp_path):
     (tmp_path / "labels.json").write_text(json.dumps(labels))
     assert system_release.check_gallery(tmp_path, 3, 4) == labels
     gm = {"build": {"rows": 3, "dim": 4}}
-    assert system_release._gallery_shape(gm, {"rows": 3, "dim": 4}, "g") == (3, 4)
+    assert runtime_release._gallery_shape(gm, {"rows": 3, "dim": 4}, "g") == (3, 4)
     for build, doc, needle in (({"rows": 200_000, "dim": 4}, {}, "a gallery is 1-100000 rows"),
                                ({"rows": 3, "dim": True}, {}, "dim 'True'"),
                                ({"rows": 3, "dim": 4}, {"rows": 3, "dim": 64}, "its gallery is 3 × 64")):
         with pytest.raises(GateFailed, match=needle):
-            system_release._gallery_shape({"build": build}, doc, "g")
-    embed = system_release._same_width(lambda x: np.zeros((len(x), 64), np.float32), 128, "kiln-system-x v1")
+            runtime_release._gallery_shape({"build": build}, doc, "g")
+    embed = runtime_system._same_width(lambda x: np.zeros((len(x), 64), np.float32), 128, "kiln-system-x v1")
     with pytest.raises(GateFailed, match=r"kiln-system-x v1: its embedder outputs \(2, 64\), its gallery holds 128-d"):
         embed(np.zeros((2, 3)))          # a signer who rewrote the recorded dim too: one line at identify, no traceback
+
+
+# ---------------------------------------------------------------------------------------------- the deployment side
+def _run(venv: Path, *args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_", "PYTHON"))}
+    return subprocess.run([str(venv / "bin" / "kiln-run"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          encoding="utf-8", timeout=timeout)
+
+
+def _get(url: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@slow
+def test_the_runtime_alone_runs_the_release_as_the_build_does(released, runtime_venv, tmp_path):
+    """In a venv made from runtime/lockfile.txt alone (no torch, DVC, MLflow, onnx: the fixture asserts it),
+    `kiln-run identify` on the build's system release prints every box, identity and distance that `kiln identify
+    --release` prints in the build environment, and its JSON answers are the build's in-process deployed system's."""
+    root, c8 = released["root"], released["cfg"]
+    archive, pub = str(released["release"].archive), str(released["pub"])
+    photos = [str(p.path) for p in list_photos(root / c8.data.photos)]
+    (tmp_path / "host").mkdir()
+    ours = _run(runtime_venv, "identify", archive, "--key", pub, *photos, cwd=tmp_path / "host")
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_"))}
+    theirs = subprocess.run([sys.executable, "-m", "pipeline.cli", "identify", "--release", archive, "--key", pub,
+                             *photos], cwd=tmp_path / "host", env=env, capture_output=True, text=True, timeout=600)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert ours.stdout == theirs.stdout and len(_faces(ours.stdout)) == 2 * len(photos), (ours.stdout, theirs.stdout)
+
+    answers = _run(runtime_venv, "identify", archive, "--key", pub, "--json", *photos, cwd=tmp_path / "host")
+    assert answers.returncode == 0, answers.stderr[-3000:]
+    from kiln_runtime.serve import answer
+
+    with system_release.verified(released["release"].archive, released["pub"]) as (tree, checked):
+        d = system_release.deployed(tree, checked)
+        want = [{"photo": p, **answer(d.system.identify(load_rgb(Path(p))), d.name, d.version,
+                                      load_rgb(Path(p)).shape[:2])} for p in photos]
+    assert [json.loads(ln) for ln in answers.stdout.splitlines()] == json.loads(json.dumps(want))
+    assert list((tmp_path / "host").iterdir()) == []
+
+    # a tampered archive, a wrong key: one line each, no traceback, nothing written
+    bad = tmp_path / "bad.tar.gz"
+    data = bytearray(Path(archive).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    for args, code, needle in ((["verify", str(bad), "--key", pub], (1, 2), "kiln-run: error:"),
+                               (["verify", archive, "--key", str(tmp_path / "none.pub")], (2,), "no such public key"),
+                               (["identify", archive, "--key", pub, str(tmp_path / "missing.jpg")], (2,), "not found")):
+        r = _run(runtime_venv, *args, cwd=tmp_path / "host")
+        assert r.returncode in code and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+    assert list((tmp_path / "host").iterdir()) == []
+
+
+@slow
+def test_serve_answers_over_http_and_drains_on_sigterm(released, runtime_venv, tmp_path):
+    """`kiln-run serve` from the runtime venv: not ready until verified and warmed; POST /v1/identify answers what
+    `kiln-run identify --json` answers; a bad image is a 400 and an oversized body a 413 (JSON, the service keeps
+    serving); a full queue is a 503; /metrics counts it all; SIGTERM with a request in flight finishes it, exits 0."""
+    import signal
+    import threading
+
+    from kiln_runtime.serve import free_port
+
+    root, c8 = released["root"], released["cfg"]
+    archive, pub = str(released["release"].archive), str(released["pub"])
+    photos = [p.path for p in list_photos(root / c8.data.photos)]
+    want = _run(runtime_venv, "identify", archive, "--key", pub, "--json", *map(str, photos), cwd=tmp_path)
+    assert want.returncode == 0, want.stderr[-2000:]
+    want = {Path(d["photo"]).name: {k: v for k, v in d.items() if k != "photo"}
+            for d in map(json.loads, want.stdout.splitlines())}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_", "PYTHON"))}
+    t0 = time.monotonic()
+    proc = subprocess.Popen([str(runtime_venv / "bin" / "kiln-run"), "serve", archive, "--key", pub, "--port",
+                             str(port), "--workers", "1", "--queue", "2", "--max-bytes", str(3 << 20)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            try:
+                status, _ = _get(url + "/readyz", timeout=1)
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() - t0 < 60, "not ready within 60 s"
+            time.sleep(0.02)
+        print(f"serve: start → ready {time.monotonic() - t0:.2f} s")
+        assert _get(url + "/healthz")[0] == 200
+        for p in photos:
+            status, body = _get(url + "/v1/identify", p.read_bytes())
+            assert status == 200, body[:500]
+            got = json.loads(body)
+            assert set(got.pop("timings_ms")) >= {"pnet", "rnet", "onet", "align", "embed", "match"}
+            assert got == want[p.name], p.name
+        status, body = _get(url + "/v1/identify", b"not an image")
+        assert status == 400 and "not a readable image" in json.loads(body)["error"], body
+        import http.client     # a body declared over the bound: refused from its header, before a byte is read
+
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.putrequest("POST", "/v1/identify")
+        conn.putheader("Content-Length", str((3 << 20) + 1))
+        conn.endheaders()
+        resp = conn.getresponse()
+        assert resp.status == 413 and "hint" in json.loads(resp.read()), resp.status
+        conn.close()
+        # a burst past the queue's bound: some answered 503 at once, the rest 200; none fails otherwise
+        big = max(photos, key=lambda p: p.stat().st_size).read_bytes()
+        codes: list[int] = []
+        burst = [threading.Thread(target=lambda: codes.append(_get(url + "/v1/identify", big)[0])) for _ in range(12)]
+        for t in burst:
+            t.start()
+        for t in burst:
+            t.join()
+        assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+        status, text = _get(url + "/metrics")
+        metrics = dict(ln.rsplit(" ", 1) for ln in text.decode().splitlines() if ln and not ln.startswith("#"))
+        assert status == 200 and metrics["kiln_ready"] == "1"
+        assert int(metrics['kiln_requests_total{status="200"}']) == len(photos) + codes.count(200)
+        assert int(metrics['kiln_errors_total{reason="bad_image"}']) == 1
+        assert int(metrics['kiln_errors_total{reason="too_large"}']) == 1
+        assert int(metrics['kiln_errors_total{reason="overloaded"}']) == codes.count(503)
+        assert float(metrics["kiln_frames_total"]) == len(photos) + codes.count(200)
+        assert int(metrics['kiln_request_duration_seconds_bucket{le="+Inf"}']) == len(photos) + codes.count(200)
+        assert 'kiln_stage_duration_seconds_count{stage="embed"}' in metrics
+        # SIGTERM with a request in flight: it is answered, then the process exits 0
+        late: list[int] = []
+        inflight = threading.Thread(target=lambda: late.append(_get(url + "/v1/identify", big)[0]))
+        inflight.start()
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        inflight.join(timeout=60)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and late == [200], (proc.returncode, late, err[-2000:])
+        assert "drained" in out and "Traceback" not in err, (out, err)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@slow
+def test_serve_refuses_to_start_on_a_bad_release(released, runtime_venv, tmp_path):
+    """Verification happens before the port opens: a tampered archive never serves (exit 1, one line)."""
+    from kiln_runtime.serve import free_port
+
+    bad = tmp_path / "bad.tar.gz"
+    data = bytearray(released["release"].archive.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    bad.write_bytes(bytes(data))
+    port = free_port()
+    r = _run(runtime_venv, "serve", str(bad), "--key", str(released["pub"]), "--port", str(port), cwd=tmp_path,
+             timeout=120)
+    assert r.returncode in (1, 2) and "kiln-run: error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "serving on" not in r.stdout

@@ -90,7 +90,7 @@ def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
     """A single-shot detector: the engine's decoded faces vs the reference's (golden@: ORT on the original) on
     every photo, and face / non-face decisions on skimage's lfw_subset against the reference run on the same."""
     from pipeline import onnx_import
-    from pipeline.models import retinaface
+    from kiln_runtime import retinaface
     from pipeline.gates.reference import load_reference
 
     mcfg = cfg.model(model)          # config.py: a retinaface model has an ONNX source (its reference is ORT)

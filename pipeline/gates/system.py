@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import paths, samples
-from pipeline.config import MTCNN
 from pipeline.data import list_photos, load_rgb, load_set
 from pipeline.gates.detection import _iou
 from pipeline.gates.facemetrics import check
@@ -116,28 +115,18 @@ def gate(metrics: dict, limits) -> list[str]:
 
 
 def describe(cfg, name: str, picks: dict[str, str], refs: dict[str, dict]) -> dict:
-    """system.json: what the system is — its engines by name and identity digest, its matching, thresholds,
-    preprocessing and detector settings (`refs`: model → the engine's and its validation's manifest refs)."""
-    from pipeline.models import mtcnn
+    """system.json: what the system is — its engines by name and identity digest, its matching, and how it runs
+    (pipeline/e2e.py `described`: detector settings, embedder, thresholds, preprocessing — what kiln_runtime reads
+    back to run it) (`refs`: model → the engine's and its validation's manifest refs)."""
+    from pipeline.e2e import described
 
     spec = cfg.system(name)
-    emb = cfg.model(spec.embedder)
-    pre = emb.preprocess
-    if spec.detector == MTCNN:
-        detector = {"kind": MTCNN, **asdict(mtcnn.DetectorConfig(min_face_size=cfg.data.min_face_size))}
-    else:
-        dcfg = cfg.model(spec.detector)
-        detector = {"kind": dcfg.samples, "model": spec.detector, **asdict(dcfg.decode)}
     return {
-        "system": name, "detector": detector, "embedder": spec.embedder,
+        "system": name, **described(cfg, name, "aligner" in picks),
         "engines": {m: {"engine": e, "target": cfg.engine(e).target, "precision": cfg.engine(e).precision,
                         "pinned": m in spec.engines, "xxh3_128": refs[m]["engine"]["xxh3_128"],
                         "validation_xxh3_128": refs[m]["validation"]["xxh3_128"]} for m, e in picks.items()},
         "matching": {"gallery": samples.chip_set(cfg, spec.embedder, "golden") + " (un-augmented chips)",
                      "search": "brute force", "index": None},
-        "thresholds": {"metric": emb.metric, "verify_threshold": emb.verify_threshold},
-        "preprocessing": {"chip_size": cfg.data.chip_size, "template": [list(p) for p in cfg.data.template],
-                          "channels": "rgb", "aligner": "aligner" in picks} if pre is None else
-                         {**asdict(pre), "aligner": False},
         "gate": asdict(spec.gate), "match_iou": MATCH_IOU,
     }

@@ -1,7 +1,7 @@
 """5-point similarity alignment: landmarks → a chip on a fixed template, as an exportable graph.
 
-`fit_similarity` solves (least squares, closed form) the similarity transform that maps template points onto the
-detected landmarks; `Aligner` is the warp itself — `affine_grid`-style sampling grid + `grid_sample` (bilinear) —
+`fit_similarity` / `chip_transform` (kiln_runtime/align.py: a deployment host fits the same way) solve the similarity
+that maps template points onto the detected landmarks; `Aligner` is the warp itself — `affine_grid`-style sampling grid + `grid_sample` (bilinear) —
 so it exports to ONNX (GridSample, opset ≥ 16) and compiles like any other graph.
 
 Coordinates are pixel centres: chip pixel (u, v) samples the image at `M @ [u, v, 1]`.
@@ -14,21 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def fit_similarity(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """2×3 matrix M of the similarity (rotation, uniform scale, translation) with M @ [src, 1] ≈ dst.
-
-    Solves x' = a·x − b·y + tx, y' = b·x + a·y + ty in the least-squares sense.
-    """
-    src, dst = np.asarray(src, np.float64), np.asarray(dst, np.float64)
-    if src.shape != dst.shape or src.ndim != 2 or src.shape[1] != 2 or len(src) < 2:
-        raise ValueError(f"need two matching (N≥2, 2) point sets, got {src.shape} and {dst.shape}")
-    n = len(src)
-    a = np.zeros((2 * n, 4))
-    a[0::2] = np.column_stack([src[:, 0], -src[:, 1], np.ones(n), np.zeros(n)])
-    a[1::2] = np.column_stack([src[:, 1], src[:, 0], np.zeros(n), np.ones(n)])
-    (p, q, tx, ty), *_ = np.linalg.lstsq(a, dst.reshape(-1), rcond=None)
-    return np.array([[p, -q, tx], [q, p, ty]])
+from kiln_runtime.align import chip_transform, fit_similarity  # noqa: F401 — the numpy half lives in the runtime
 
 
 def jitter(size: int, rotation_deg: float, scale: float, shift_x: float, shift_y: float) -> np.ndarray:
@@ -76,14 +62,6 @@ class AlignerGraph(Aligner):
 
 def build_aligner(size: int = 150) -> AlignerGraph:
     return AlignerGraph(size)
-
-
-def chip_transform(landmarks: np.ndarray, template: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:
-    """The chip→image 2×3 transform for one face: template fitted onto landmarks, then an optional chip jitter."""
-    m = np.vstack([fit_similarity(template, landmarks), [0, 0, 1]])
-    if extra is not None:
-        m = m @ extra
-    return m[:2].astype(np.float32)
 
 
 def align(rgb: np.ndarray, thetas: np.ndarray, size: int, aligner: Aligner | None = None) -> np.ndarray:

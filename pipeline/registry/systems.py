@@ -34,15 +34,18 @@ import os
 import sys
 import tempfile
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from kiln_runtime.release import PARTS_FILE, Part, registered  # noqa: F401 — a system version as a deployment reads it
+from kiln_runtime.release import parts_doc as _parts_doc
+from kiln_runtime.release import system_content as _content
 from pipeline import paths
 from pipeline.dvcfiles import address
 from pipeline.errors import GateFailed, KilnError
-from pipeline.manifest import (artifact_digest, canonical_json, check_files, identity_digest, manifest_path,
+from pipeline.manifest import (artifact_digest, check_files, identity_digest, manifest_path,
                                read_manifest, verify_manifest)
 from pipeline.registry.client import Registry, errors, redact, registered_name
 from pipeline.registry.registration import (_complete, _end_killed_runs, _ensure_registered_model, _flat, _log_model,
@@ -53,14 +56,7 @@ from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, 
 
 PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name> (releases.SYSTEMS)
 COMPAT = "gallery_compat"     # a system move's record of its gallery check: parameters kiln.gallery_compat.*
-PARTS_FILE = "parts.json"
 PART_KEYS = ("registered_model", "version", "xxh3_128", "sha256", "gated_xxh3_128")
-
-
-def registered(name: str) -> str:
-    """`kiln-system-<name>` for a system name, or a registered system name given as is."""
-    bare = name.removeprefix(f"kiln-{PREFIX}")
-    return f"kiln-{PREFIX}{paths.slug(bare, 'system')}"
 
 
 def is_system(name: str) -> bool:
@@ -69,19 +65,6 @@ def is_system(name: str) -> bool:
 
 def system_name(name: str) -> str:
     return registered(name).removeprefix(f"kiln-{PREFIX}")
-
-
-@dataclass(frozen=True)
-class Part:
-    model: str                # the graph: pnet, rnet, onet, aligner, embedder, …
-    engine: str
-    registered_model: str
-    version: int
-    xxh3_128: str             # the registered version's engine manifest identity digest (what a release ships)
-    sha256: str               # its registered content digest: the bytes system@ gated
-    gated_xxh3_128: str       # the identity digest of the engine manifest system@ gated: the same bytes, but another
-    #                           manifest than the registered one when the engine was rebuilt by other code since
-    #                           (registration is once per content, so that build is "already registered")
 
 
 @dataclass(frozen=True)
@@ -102,16 +85,6 @@ class SystemMove:
     compat: Any = None        # gallery_compat.Compat when the embedder changed
     re_enroll: bool = False
     retired: tuple[AliasMove, ...] = ()   # parts of the old production version it no longer runs: alias removed
-
-
-def _parts_doc(parts) -> bytes:
-    return canonical_json([asdict(p) for p in parts])
-
-
-def _content(system: str, manifest: dict, parts) -> str:
-    """The version's content digest: the system's files (system.json + verdict.json) and its pins."""
-    return hashlib.sha256(canonical_json({"system": system, "files": artifact_digest(manifest),
-                                          "parts": json.loads(_parts_doc(parts))})).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------- the local system

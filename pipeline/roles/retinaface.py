@@ -1,7 +1,7 @@
 """The single-shot detector role (`samples: retinaface`): one whole photo → every face's box, score and landmarks.
 
 Feeds: one per photo (the calibration set's variants too), preprocessed as the family wants (BGR minus its mean,
-pipeline/models/retinaface.py) — no reference detector involved. It comes as an ONNX file, whose three outputs
+kiln_runtime/retinaface.py) — no reference detector involved. It comes as an ONNX file, whose three outputs
 (loc, conf, landmarks) import@ checks; its reference and gate run that original on ONNX Runtime. The gate decodes
 the engine's and the reference's outputs on every photo and compares the faces, and the face / non-face decisions on
 skimage's lfw_subset (pipeline/gates/detection.py), against params.yaml `validate.detector`. A face system decodes
@@ -33,14 +33,14 @@ class RetinaFace(Role):
 
     def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
         from pipeline import samples
-        from pipeline.models import retinaface
+        from kiln_runtime import retinaface
 
         for rgb in samples.photo_variants(cfg, set_name, root):
             yield {"input": retinaface.preprocess(rgb)}
 
     def detect(self, rgb: np.ndarray, run: Callable, mcfg) -> list:
         """Faces in one RGB photo; `run` maps the preprocessed input to (loc, conf, landmarks)."""
-        from pipeline.models import retinaface
+        from kiln_runtime import retinaface
 
         decode = mcfg.decode
         return retinaface.detect(rgb, run, retinaface.DecodeConfig(**({} if decode is None else {

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from pipeline import paths, stage, targets, toolchain
-from pipeline.checkout import PACKAGE, REPO
+from pipeline.checkout import PACKAGES
 from pipeline.closure import closure, distributions
 from pipeline.toolchain import PYTHON_TOOLCHAIN
 from pipeline.manifest import write_bytes_atomic
@@ -38,17 +38,18 @@ STAGE = stage.Stage(
 
 
 def all_packages() -> list[str]:
-    """Every third-party distribution imported anywhere under pipeline/ (what python.yaml lists). Walking the code
-    and the installed distributions takes most of this stage's time, so the answer is cached under what it depends
-    on: each module's path, size and mtime, and the interpreter's package directories (an install changes them)."""
-    files = sorted((REPO / PACKAGE).rglob("*.py"))
+    """Every third-party distribution imported anywhere in the checkout's code, pipeline/ and runtime/kiln_runtime/
+    (what python.yaml lists). Walking the code and the installed distributions takes most of this stage's time, so
+    the answer is cached under what it depends on: each module's path, size and mtime, and the interpreter's package
+    directories (an install changes them)."""
+    files = sorted((root, p) for name, root in PACKAGES.items() for p in (root / name).rglob("*.py"))
 
     def compute() -> list[str]:
-        modules = [".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in files]
+        modules = [".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__") for root, p in files]
         return distributions(closure(modules)[1])
 
     stat = lambda p: [str(p), p.stat().st_size, p.stat().st_mtime_ns]      # noqa: E731
-    key = ["packages/1", sys.version, sys.prefix, [stat(p) for p in files],
+    key = ["packages/2", sys.version, sys.prefix, [stat(p) for _, p in files],
            [stat(Path(d)) for d in sys.path if d and Path(d).is_dir()]]
     return toolchain.cached(key, compute)
 

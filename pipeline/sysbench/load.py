@@ -1,72 +1,15 @@
-"""N concurrent streams of frames against one face system, at a fixed rate, until the p99 budget breaks.
-
-How a point of the sweep runs (`streams` streams at `fps` each):
-
-* The parent process is the cameras: stream `s` has its k-th frame arrive at `t0 + k/fps + s/(fps·streams)` (the
-  streams staggered evenly), and puts it on one shared job queue at that moment. Latency is counted from that
-  scheduled arrival, so a parent that falls behind makes latency worse, never better.
-* Worker processes (params `sysbench.workers`, 0 = one per CPU core) each hold the whole system — every engine
-  loaded verified, with `cores / workers` intra-op threads each — and take up to `max_batch` waiting frames at
-  once. A frame already older than the budget when a worker picks it up is dropped (a live system skips stale
-  frames: its answer would be useless). The rest run as one batch: detection and the aligner per frame, ONE
-  embedder call for every face of the batch and ONE gallery search (`System.identify_frames`).
-* Latency = decision time − arrival (CLOCK_MONOTONIC, shared by the processes). The first second of arrivals is
-  warm-up and not counted; then `seconds` are measured; then the point drains for at most
-  `max(2 s, 5 × budget)` — a frame not decided by then counts as dropped, and a worker still busy skips what is
-  left of that point.
-* CPU-seconds per frame: each worker's process CPU time (all its threads) across each batch, summed, over the
-  frames decided.
-
-The sweep stops at the first point that misses the budget (p99 over it, or any frame dropped), so its time is
-bounded by `len(streams) × (1 + seconds + drain)` plus worker start-up. The headline is the most streams that
-held the budget: streams per machine at that frame rate and resolution.
-
-Then the workers stop (`_stop`): STOP in the shared point id tells each to quit at its next job — frames still
-queued are never run — and one still busy after `STOP_TIMEOUT_S` is terminated; the queues' feeder threads are not
-waited for at exit (what they hold is for workers that are gone), and a SIGINT / SIGTERM during the stop acts when
-it ends. Workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the parent stops them.
-"""
+"""sysbench@'s sustained-load sweep: kiln_runtime/loadtest.py — the one implementation, which `kiln-run bench` runs
+on a release — with the plan of params `sysbench:` and worker processes that each build the checkout's gated system
+(`checkout_system`). How a point runs, when the sweep stops and how workers stop: kiln_runtime/loadtest.py."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import threading
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-WARMUP_S = 1.0
-READY_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 10.0       # all workers together, to finish the batch in hand once told to stop
-STOP = -2                   # the shared point id that tells the workers to quit
-
-
-@dataclass(frozen=True)
-class Plan:
-    streams: tuple[int, ...]
-    fps: float
-    seconds: float
-    budget_ms: float
-    max_batch: int
-    workers: int
-    threads: int            # intra-op threads per engine in each worker
-
-    @property
-    def drain_s(self) -> float:
-        return max(2.0, 5 * self.budget_ms / 1e3)
-
-    @property
-    def bound_s(self) -> float:
-        """The most the sweep's points can take (worker start-up aside)."""
-        return len(self.streams) * (WARMUP_S + self.seconds + self.drain_s)
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+from kiln_runtime import loadtest
+from kiln_runtime.loadtest import WARMUP_S, Plan, cores  # noqa: F401
 
 
 def plan(cfg) -> Plan:
@@ -83,222 +26,22 @@ def plan(cfg) -> Plan:
                 max(1, n // workers))
 
 
-# ---------------------------------------------------------------------------------------------- worker process
-def _worker(params: str, root: str, system: str, picks: dict, threads: int, frames: list, budget_ms: float,
-            max_batch: int, current, jobs, results) -> None:
-    """Load the system, say ready, then run batches of jobs until told to stop (None)."""
-    import signal
-
+def checkout_system(threads: int, params: str, root: str, system: str, picks: dict[str, str]):
+    """A worker's system: `picks` of the checkout's engines, each verified as it loads, `threads` intra-op threads
+    per engine, the golden gallery enrolled."""
     from pipeline import config
     from pipeline.e2e import System
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)            # the parent stops the workers (`_stop`)
-    try:
-        cfg = config.load(Path(params))
-        s = System.from_picks(cfg, system, picks, Path(root), system=system, threads=threads)
-        s.enroll(Path(root))
-        for _ in range(2):                                  # warm every engine's first-call paths
-            s.identify_frames([frames[0]], {})
-        results.put(("ready", os.getpid(), s.threads_used))
-    except BaseException as e:   # noqa: BLE001 - the parent reports it as one line
-        results.put(("error", os.getpid(), f"{type(e).__name__}: {e}"))
-        return
-    stop = False
-    while not stop:
-        item = jobs.get()
-        if item is None or current.value == STOP:
-            break
-        batch = [item]
-        while len(batch) < max_batch:
-            try:
-                nxt = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is None:
-                stop = True
-                break
-            batch.append(nxt)
-        now = time.monotonic()
-        live = [b for b in batch if b[0] == current.value]           # a finished point's leftovers: skipped
-        fresh = [b for b in live if (now - b[3]) * 1e3 <= budget_ms]
-        stale = [b for b in live if (now - b[3]) * 1e3 > budget_ms]
-        timings: dict[str, float] = {}
-        decided = []
-        if fresh:
-            cpu0 = time.process_time()
-            found = s.identify_frames([frames[b[4]] for b in fresh], timings)
-            done, cpu = time.monotonic(), time.process_time() - cpu0
-            decided = [(b[1], b[2], b[3], now, done, len(f)) for b, f in zip(fresh, found)]
-        else:
-            cpu = 0.0
-        if live:
-            results.put(("batch", live[0][0], decided, [(b[1], b[2], b[3]) for b in stale], timings, cpu))
-    results.cancel_join_thread()        # told to stop: the parent reads no more, so exit without flushing to it
-
-
-# ---------------------------------------------------------------------------------------------- one point
-def _point(p: Plan, streams: int, point_id: int, n_frames: int, current, jobs, inbox: "queue.Queue") -> dict:
-    from pipeline.sysbench.frames import pick
-
-    current.value = point_id
-    ticks = max(1, int(round((WARMUP_S + p.seconds) * p.fps)))       # a very low rate still offers one frame
-    t0 = time.monotonic() + 0.05
-    schedule = sorted((t0 + k / p.fps + s / (p.fps * streams), s, k) for s in range(streams) for k in range(ticks))
-    for at, s, k in schedule:
-        delay = at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        jobs.put((point_id, s, k, at, pick(n_frames, s, k)))
-    measured_from = t0 + WARMUP_S
-    expected = {(s, k) for at, s, k in schedule}
-    seen: dict[tuple[int, int], tuple] = {}
-    dropped: set[tuple[int, int]] = set()
-    stage_ms: dict[str, float] = {}
-    cpu, batches, batch_frames = 0.0, 0, 0
-    deadline = schedule[-1][0] + p.drain_s
-    while len(seen) + len(dropped) < len(expected):
-        try:
-            _, point, decided, stale, timings, c = inbox.get(timeout=max(0.01, deadline - time.monotonic()))
-        except queue.Empty:
-            break
-        if point != point_id:
-            continue
-        for s, k, at, start, done, faces in decided:
-            seen[(s, k)] = (at, start, done, faces)
-        dropped.update((s, k) for s, k, at in stale)
-        if any(at >= measured_from for *_, at, _, _, _ in decided) or any(at >= measured_from for _, _, at in stale):
-            batches += 1
-            batch_frames += len(decided)
-            cpu += c
-            for st, ms in timings.items():
-                stage_ms[st] = stage_ms.get(st, 0.0) + ms
-        if time.monotonic() > deadline:
-            break
-    current.value = -1                        # what is still queued for this point is skipped by the workers
-    window = [(s, k) for at, s, k in schedule if at >= measured_from]
-    lat = np.array([(seen[x][2] - seen[x][0]) * 1e3 for x in window if x in seen])
-    wait = np.array([(seen[x][1] - seen[x][0]) * 1e3 for x in window if x in seen])
-    lost = sum(x not in seen for x in window)             # dropped as stale, or not decided before the drain ended
-    n = len(lat)
-    pct = (lambda q: round(float(np.percentile(lat, q)), 3) if n else None)  # noqa: E731
-    p99 = pct(99)
-    per_frame = {st: round(ms / batch_frames, 3) for st, ms in sorted(stage_ms.items())} if batch_frames else {}
-    return {
-        "streams": streams, "offered_fps": round(streams * p.fps, 3), "frames": len(window), "decided": n,
-        "dropped": lost, "late": int((lat > p.budget_ms).sum()) if n else 0,
-        "latency_ms": {"p50": pct(50), "p95": pct(95), "p99": p99, "max": round(float(lat.max()), 3) if n else None},
-        "queue_wait_ms": {"mean": round(float(wait.mean()), 3) if n else None,
-                          "p99": round(float(np.percentile(wait, 99)), 3) if n else None},
-        "achieved_fps": round(n / p.seconds, 3),
-        "cpu_s_per_frame": round(cpu / batch_frames, 5) if batch_frames else None,
-        "mean_batch": round(batch_frames / batches, 3) if batches else None,
-        "stage_ms_per_frame": per_frame,
-        "faces_per_frame": round(float(np.mean([seen[x][3] for x in window if x in seen])), 3) if n else None,
-        "within_budget": bool(n and lost == 0 and p99 is not None and p99 <= p.budget_ms),
-    }
-
-
-# ---------------------------------------------------------------------------------------------- the sweep
-def _stop(procs: list, current, jobs, results, collector: threading.Thread | None) -> None:
-    """Stop the workers and leave nothing for the interpreter's exit to wait on (a queue feeder thread blocked on a
-    pipe that no worker reads any more was a hang after the sweep, until killed)."""
-    from pipeline.errors import deferred_signals
-
-    with deferred_signals():
-        current.value = STOP
-        for _ in procs:
-            jobs.put(None)                      # wakes a worker waiting on an empty queue
-        started = [w for w in procs if w.pid is not None]
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for w in started:
-            w.join(timeout=max(0.0, deadline - time.monotonic()))
-        for w in started:
-            if w.is_alive():                    # still in a batch (a stuck engine): ended, its batch discarded
-                w.terminate()
-                w.join(timeout=5)
-            if w.is_alive():
-                w.kill()
-                w.join()
-        if collector is not None:
-            results.put(None)
-            collector.join(timeout=5)
-        for q in (jobs, results):
-            q.cancel_join_thread()
-            q.close()
+    cfg = config.load(Path(params))
+    s = System.from_picks(cfg, system, picks, Path(root), system=system, threads=threads)
+    s.enroll(Path(root))
+    return s
 
 
 def sweep(cfg, system: str, picks: dict[str, str], frames: list[np.ndarray], root: Path = Path("."),
           params: Path = Path("params.yaml"), progress=print) -> dict:
     """Run the sweep for `system` (engines `picks`); the points, the headline and what was picked."""
-    from pipeline.errors import KilnError
-
-    p = plan(cfg)
-    ctx = mp.get_context("spawn")              # no fork after ONNX Runtime / OpenVINO threads exist
-    current = ctx.Value("i", -1)
-    jobs, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(str(params), str(root), system, picks, p.threads, frames, p.budget_ms, p.max_batch,
-                               current, jobs, results)) for _ in range(p.workers)]
-    inbox: queue.Queue = queue.Queue()
-    threads_used = {}
-    collector = None
-    try:
-        for w in procs:
-            w.start()
-        ready_by = time.monotonic() + READY_TIMEOUT_S
-        for _ in procs:
-            while True:                 # a worker that dies while loading (killed, out of memory) says nothing
-                try:
-                    msg = results.get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    dead = next((w for w in procs if not w.is_alive()), None)
-                    if dead is not None:
-                        try:                # what it said before it exited is in the pipe by now
-                            msg = results.get(timeout=0.5)
-                            break
-                        except queue.Empty:
-                            pass
-                        raise KilnError(f"sysbench@{system}: a worker exited (code {dead.exitcode}) while loading "
-                                        "the system", "check that the system's engines load: kiln identify "
-                                        f"--system {system}; a worker killed by the OS may have run out of memory") \
-                            from None
-                    if time.monotonic() > ready_by:
-                        raise KilnError(f"sysbench@{system}: a worker did not load the system within "
-                                        f"{READY_TIMEOUT_S:.0f} s", "check that the system's engines load: kiln "
-                                        f"identify --system {system}") from None
-            if msg[0] == "error":
-                raise KilnError(f"sysbench@{system}: a worker could not load the system: {msg[2]}",
-                                f"run system@{system} first (dvc repro) and check its engines load")
-            threads_used = msg[2]
-
-        def collect():
-            while True:
-                msg = results.get()
-                if msg is None:
-                    return
-                inbox.put(msg)
-        collector = threading.Thread(target=collect, daemon=True)
-        collector.start()
-        points = []
-        for i, n in enumerate(p.streams):
-            progress(f"sysbench@{system}: {n} stream(s) × {p.fps:g} fps for {p.seconds:g} s")
-            points.append(_point(p, n, i, len(frames), current, jobs, inbox))
-            if not points[-1]["within_budget"]:
-                break
-    finally:
-        _stop(procs, current, jobs, results, collector)
-    held = [pt["streams"] for pt in points if pt["within_budget"]]
-    return {
-        "plan": {**asdict(p), "drain_s": p.drain_s, "bound_s": round(p.bound_s, 3), "warmup_s": WARMUP_S,
-                 "cores": cores(), "threads_per_engine": threads_used,
-                 "why": f"{p.workers} worker process(es) on {cores()} core(s): frames run in parallel across "
-                        f"workers, each engine with {p.threads} intra-op thread(s), so workers × threads = cores "
-                        "and no engine's threads wait on another's"},
-        "points": points,
-        "stopped_at": None if len(points) == len(p.streams) and points[-1]["within_budget"] else points[-1]["streams"],
-        "streams_at_budget": max(held, default=0),
-        "batched": {"detect": "no: each frame its own pyramid and cascade", "align": "no: the aligner graph warps "
-                    "one image's faces per call", "embed": "yes: one call for every face of a batch",
-                    "match": "yes: one gallery search per batch"},
-    }
+    return loadtest.sweep(plan(cfg), f"sysbench@{system}", "pipeline.sysbench.load:checkout_system",
+                          {"params": str(params), "root": str(root), "system": system, "picks": dict(picks)},
+                          frames, progress, hint=f"run system@{system} first (dvc repro) and check that its engines "
+                          f"load: kiln identify --system {system}")

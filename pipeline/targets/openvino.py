@@ -32,13 +32,13 @@ from pathlib import Path
 from functools import cache
 from typing import Annotated, Any, Literal
 
-import numpy as np
 
+from kiln_runtime.runners.openvino import BIN, CONFIG, XML, OvRunner
 from pipeline import toolchain
 from pipeline.errors import KilnError
 from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
 
-XML_FILE, BIN_FILE, CONFIG_FILE = "model.xml", "model.bin", "config.json"
+XML_FILE, BIN_FILE, CONFIG_FILE = XML, BIN, CONFIG          # kiln_runtime.runners.openvino loads these
 PRECISIONS = ("fp32", "bf16", "int8")
 HINT = {"fp32": "f32", "bf16": "bf16", "int8": "f32"}     # int8: the layers left in float run in f32
 RUNS_AS = {"fp32": {"f32"}, "bf16": {"bf16"}, "int8": {"u8", "i8"}}
@@ -204,28 +204,3 @@ class OpenVinoCpu:
         return OvRunner(engine_dir, threads)
 
 
-class OvRunner:
-    """Runner over an openvino-cpu engine: the IR compiled for this CPU with the engine's recorded properties."""
-
-    def __init__(self, engine_dir: Path, threads: int | None = None) -> None:
-        ov = _ov()
-        config = json.loads((engine_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-        props = config["properties"]
-        if threads is not None:
-            # A caller that picks the threads shares the cores (sysbench@ runs one worker process per core). OpenVINO
-            # pins each stream's threads to cores from the first one on, in every process alike: two 1-thread
-            # workers then share core 0 and the second core idles (measured: 2.9 → 6.5 ms a call with two processes
-            # at once, 2.9 unpinned). The OS places unpinned threads.
-            props = {**props, "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False}
-        self.threads = props.get("INFERENCE_NUM_THREADS", 0)        # 0: the plugin's default
-        core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(str(engine_dir / XML_FILE)), "CPU", props)
-        self.request = self.compiled.create_infer_request()
-        self.input_names = [i.get_any_name() for i in self.compiled.inputs]
-
-    def run(self, batch: np.ndarray) -> np.ndarray:
-        return self.run_all({self.input_names[0]: batch})[0]
-
-    def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        res = self.request.infer({k: np.ascontiguousarray(v, np.float32) for k, v in feed.items()})
-        return [np.array(res[o]) for o in self.compiled.outputs]

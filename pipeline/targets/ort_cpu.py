@@ -12,13 +12,13 @@ from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import numpy as np
 
+from kiln_runtime.runners.ort import ENGINE as ENGINE_FILE
+from kiln_runtime.runners.ort import SESSION as SESSION_FILE
+from kiln_runtime.runners.ort import OrtRunner, ort_session_options
 from pipeline import toolchain
 from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
 
-ENGINE_FILE = "model.onnx"
-SESSION_FILE = "session.json"
 LEVELS = {"basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
 QUANT_COMPUTE = {"QLinearConv", "QLinearMatMul", "MatMulInteger", "ConvInteger", "QGemm", "QLinearAdd",
                  "QLinearMul", "QLinearAveragePool", "QLinearGlobalAveragePool", "QLinearConcat",
@@ -80,23 +80,8 @@ class OrtCpu:
     @staticmethod
     def _session_options(threads: int, spin: bool, optimized_out: Path | None = None, level: str = "all"):
         """Session options: a compile (`optimized_out`: optimize at `level`, save the graph there) or a load of an
-        engine already optimized offline."""
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        # Idle intra-op threads spin by default; with several sessions in one process (the e2e system runs five)
-        # on 2 cores they steal each other's time. Off unless params say otherwise.
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.log_severity_level = 3  # the hardware-specific-layout warning is expected and recorded in the manifest
-        if optimized_out is None:
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # already optimized offline
-        else:
-            so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
-            so.optimized_model_filepath = str(optimized_out)
-        return so
+        engine already optimized offline (kiln_runtime.runners: a deployment host loads with the same)."""
+        return ort_session_options(threads, spin, optimized_out, LEVELS[level])
 
     def compile(self, source: Path, options: CompileOptions, out: Path, workdir: Path) -> list[Path]:
         import onnx as onnx_lib
@@ -135,24 +120,3 @@ class OrtCpu:
 
     def load(self, engine_dir: Path, threads: int | None = None) -> "OrtRunner":
         return OrtRunner(engine_dir, threads)
-
-
-class OrtRunner:
-    """Runner over a compiled ort-cpu engine, with the session options it was compiled for (`threads`: another
-    intra-op thread count, e.g. one per worker when a load test runs several)."""
-
-    def __init__(self, engine_dir: Path, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
-        session = json.loads((engine_dir / SESSION_FILE).read_text(encoding="utf-8"))
-        self.threads = session["threads"] if threads is None else threads
-        self.session = ort.InferenceSession(str(engine_dir / ENGINE_FILE),
-                                            OrtCpu._session_options(self.threads, session.get("spin", False)),
-                                            providers=["CPUExecutionProvider"])
-        self.input_name = self.session.get_inputs()[0].name
-
-    def run(self, batch: np.ndarray) -> np.ndarray:
-        return self.session.run(None, {self.input_name: np.ascontiguousarray(batch, np.float32)})[0]
-
-    def run_all(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(None, feed)

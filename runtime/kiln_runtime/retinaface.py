@@ -5,7 +5,7 @@ returns, per anchor, a box offset (`loc`, 4), face / background probabilities (`
 offsets (`landmarks`, 10). Anchors: strides 8 / 16 / 32, two square sizes per stride, centred on each cell; offsets
 are decoded with the variances 0.1 (centres) and 0.2 (log sizes). Input: BGR pixels minus the mean (104, 117, 127),
 NCHW float32, any height and width. Everything here is numpy, so the same decode runs on the reference's outputs
-and on any engine's (validate@, `kiln identify`).
+and on any engine's (validate@, `kiln identify`, a deployment host: this is kiln-runtime).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from pipeline.models.mtcnn import Face, nms
+from kiln_runtime.mtcnn import Face, nms
 
 STRIDES = (8, 16, 32)
 SIZES = ((16, 32), (64, 128), (256, 512))

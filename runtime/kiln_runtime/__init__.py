@@ -1,0 +1,1 @@
+"""kiln-runtime: runs a released Kiln face system on a deployment host — no torch, DVC, MLflow or onnx."""

@@ -1,0 +1,331 @@
+"""`kiln-run serve`: a verified system release as an HTTP service (Starlette on uvicorn).
+
+    POST /v1/identify   an image (JPEG, PNG, BMP or WebP bytes as the body) → its faces: box, score, landmarks,
+                        identity ("unknown" past the threshold), nearest, distance; the system and version; per-stage
+                        milliseconds. A bad image is a 400, a body over the size bound a 413, a full queue a 503 with
+                        Retry-After — each a JSON {"error", "hint"}; never a 500 with a trace.
+    GET  /healthz       200 while the process serves
+    GET  /readyz        200 only once the archive verified and every engine of every worker warmed; 503 while
+                        draining
+    GET  /metrics       Prometheus text: request and per-stage latency histograms, frames, faces, batches, errors by
+                        reason, queue depth, in-flight requests, process CPU seconds, the release served
+
+The archive is verified once, before the port opens (signature, content: kiln_runtime/release.py); any failure and
+the service does not start. Each of `workers` threads owns its own copy of the system (its engines with
+cores / workers intra-op threads) and takes up to `max_batch` queued frames at once — ONE embedder call and ONE
+gallery search for all their faces, as sysbench@ runs it. The queue is bounded: past `queue` waiting frames a request
+is answered 503 at once instead of growing latency without end. SIGTERM drains: the port closes, /readyz turns 503,
+requests in flight finish, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln_runtime.errors import KilnError
+from kiln_runtime.images import decode_bytes
+from kiln_runtime.system import STAGES, Match, System
+
+MAX_BYTES = 20 << 20            # one request body: a 4096-side JPEG is a few MB
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+# ---------------------------------------------------------------------------------------------- answers
+def answer(matches: list[Match], release: str, version: int, size: tuple[int, int]) -> dict[str, Any]:
+    """One photo's answer, as the service and `kiln-run identify --json` give it."""
+    return {"system": release, "version": version, "image": {"width": size[1], "height": size[0]},
+            "faces": [{"box": [round(float(v), 2) for v in m.box], "score": round(float(m.score), 5),
+                       "landmarks": [] if m.landmarks is None else
+                       [[round(float(x), 2), round(float(y), 2)] for x, y in np.asarray(m.landmarks)],
+                       "identity": m.identity, "nearest": m.nearest, "distance": round(float(m.distance), 6),
+                       "metric": m.metric} for m in matches]}
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.buckets, self.counts, self.sum, self.count = buckets, [0] * len(buckets), 0.0, 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.count += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        sep = "," if labels else ""
+        out = [f'{name}_bucket{{{labels}{sep}le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+        tail = f"{{{labels}}}" if labels else ""
+        return out + [f"{name}_sum{tail} {self.sum:.6f}", f"{name}_count{tail} {self.count}"]
+
+
+class Metrics:
+    """What /metrics shows; every update under one lock (worker threads and the event loop both write)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests: dict[int, int] = {}
+        self.errors: dict[str, int] = {}
+        self.latency = Histogram()
+        self.stages = {s: Histogram() for s in STAGES}
+        self.frames = self.faces = self.batches = 0
+        self.inflight = 0
+
+    def count(self, status: int, reason: str | None = None) -> None:
+        with self.lock:
+            self.requests[status] = self.requests.get(status, 0) + 1
+            if reason:
+                self.errors[reason] = self.errors.get(reason, 0) + 1
+
+    def text(self, release: str, version: int, ready: bool, queued: int) -> str:
+        with self.lock:
+            out = ["# HELP kiln_release_info The system release served.", "# TYPE kiln_release_info gauge",
+                   f'kiln_release_info{{system="{release}",version="{version}"}} 1',
+                   "# HELP kiln_ready 1 once verified and warmed, 0 while starting or draining.",
+                   "# TYPE kiln_ready gauge", f"kiln_ready {int(ready)}",
+                   "# HELP kiln_requests_total Requests to /v1/identify by HTTP status.",
+                   "# TYPE kiln_requests_total counter",
+                   *(f'kiln_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())),
+                   "# HELP kiln_errors_total Refused or failed identify requests by reason.",
+                   "# TYPE kiln_errors_total counter",
+                   *(f'kiln_errors_total{{reason="{r}"}} {n}' for r, n in sorted(self.errors.items())),
+                   "# HELP kiln_request_duration_seconds Identify requests answered 200: body read to answer.",
+                   "# TYPE kiln_request_duration_seconds histogram", *self.latency.lines("kiln_request_duration_seconds"),
+                   "# HELP kiln_stage_duration_seconds Time per frame in each stage of the system.",
+                   "# TYPE kiln_stage_duration_seconds histogram",
+                   *(ln for s, h in self.stages.items() for ln in h.lines("kiln_stage_duration_seconds",
+                                                                           f'stage="{s}"')),
+                   "# HELP kiln_frames_total Frames identified.", "# TYPE kiln_frames_total counter",
+                   f"kiln_frames_total {self.frames}",
+                   "# HELP kiln_faces_total Faces found.", "# TYPE kiln_faces_total counter",
+                   f"kiln_faces_total {self.faces}",
+                   "# HELP kiln_batches_total Batches the workers ran (frames / batches = mean batch).",
+                   "# TYPE kiln_batches_total counter", f"kiln_batches_total {self.batches}",
+                   "# HELP kiln_queue_depth Frames waiting for a worker.", "# TYPE kiln_queue_depth gauge",
+                   f"kiln_queue_depth {queued}",
+                   "# HELP kiln_inflight_requests Identify requests being answered.",
+                   "# TYPE kiln_inflight_requests gauge", f"kiln_inflight_requests {self.inflight}",
+                   "# HELP process_cpu_seconds_total CPU time of this process, all threads.",
+                   "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {time.process_time():.6f}"]
+        return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- the workers
+@dataclass
+class _Job:
+    rgb: np.ndarray
+    done: concurrent.futures.Future
+
+
+class Service:
+    """Worker threads, each with its own system, fed by one bounded queue."""
+
+    def __init__(self, systems: list[System], release: str, version: int, max_batch: int, queue_size: int) -> None:
+        self.release, self.version, self.max_batch = release, version, max_batch
+        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.metrics = Metrics()
+        self.ready = self.draining = False
+        self.threads = [threading.Thread(target=self._work, args=(s,), daemon=True, name=f"kiln-worker-{i}")
+                        for i, s in enumerate(systems)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, rgb: np.ndarray) -> concurrent.futures.Future:
+        """Queue one frame; queue.Full when the queue is at its bound."""
+        job = _Job(rgb, concurrent.futures.Future())
+        self.jobs.put_nowait(job)
+        return job.done
+
+    def stop(self) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join(timeout=10)
+
+    def _work(self, system: System) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            batch = [job]
+            while len(batch) < self.max_batch:
+                try:
+                    nxt = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self.jobs.put(None)          # the stop for this thread is taken after this batch
+                    break
+                batch.append(nxt)
+            timings: dict[str, float] = {}
+            try:
+                found = system.identify_frames([j.rgb for j in batch], timings)
+            except Exception as e:  # noqa: BLE001 — one failed batch is its requests' 500s, the service goes on
+                for j in batch:
+                    j.done.set_exception(e)
+                continue
+            share = {s: ms / len(batch) for s, ms in timings.items()}
+            with self.metrics.lock:
+                self.metrics.batches += 1
+                self.metrics.frames += len(batch)
+                self.metrics.faces += sum(len(f) for f in found)
+                for _ in batch:
+                    for s, ms in share.items():
+                        if s in self.metrics.stages:
+                            self.metrics.stages[s].observe(ms / 1e3)
+            for j, f in zip(batch, found):
+                j.done.set_result((f, share))
+
+
+def warm(system: System) -> None:
+    """Every engine's first call made (zeros of each graph's input) and the whole path once on a grey frame."""
+    spec = system.spec
+    sizes = {"pnet": 48, "rnet": 24, "onet": 48}
+    for model, run in zip(spec.detector_graphs, system.nets):
+        side = sizes.get(model, 64)
+        run(np.zeros((1, 3, side, side), np.float32))
+    if system.warp is not None:
+        system.warp(np.zeros((1, 3, 64, 64), np.float32),
+                    np.array([[[1, 0, 0], [0, 1, 0]]], np.float32))
+    system.embed(np.zeros((1, 3, spec.chip_size, spec.chip_size), np.float32))
+    system.identify_frames([np.full((120, 160, 3), 127, np.uint8)], {})
+
+
+# ---------------------------------------------------------------------------------------------- the app
+def app(service: Service, max_bytes: int = MAX_BYTES):
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, PlainTextResponse, Response
+    from starlette.routing import Route
+
+    m = service.metrics
+
+    def refuse(status: int, reason: str, error: str, hint: str, **headers: str) -> JSONResponse:
+        m.count(status, reason)
+        return JSONResponse({"error": error, "hint": hint}, status_code=status, headers=headers or None)
+
+    async def identify(request: Request) -> Response:
+        t0 = time.perf_counter()
+        with m.lock:
+            m.inflight += 1
+        try:
+            size = request.headers.get("content-length")
+            if size is not None and (not size.isdigit() or int(size) > max_bytes):
+                return refuse(413, "too_large", f"request body of {size[:20]} bytes; the limit is {max_bytes}",
+                              "send a smaller image (longest side ≤ 4096 is plenty for face detection)")
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    return refuse(413, "too_large", f"request body over {max_bytes} bytes",
+                                  "send a smaller image (longest side ≤ 4096 is plenty for face detection)")
+            if not body:
+                return refuse(400, "bad_image", "empty request body", "POST the image's bytes as the body")
+            try:
+                rgb = await run_in_threadpool(decode_bytes, bytes(body), "request body")
+            except KilnError as e:
+                return refuse(400, "bad_image", e.message, e.hint)
+            if service.draining:
+                return refuse(503, "draining", "the service is shutting down", "retry on another replica",
+                              **{"Retry-After": "1"})
+            try:
+                done = service.submit(rgb)
+            except queue.Full:
+                return refuse(503, "overloaded", f"{service.jobs.maxsize} frames already wait for a worker",
+                              "retry shortly, or add replicas", **{"Retry-After": "1"})
+            try:
+                found, share = await asyncio.wrap_future(done)
+            except KilnError as e:
+                return refuse(500, "engine", e.message, e.hint)
+            except Exception as e:  # noqa: BLE001 — one line, no trace; the service keeps serving
+                return refuse(500, "internal", f"{type(e).__name__}: {str(e)[:200]}", "see the service's log")
+            doc = answer(found, service.release, service.version, rgb.shape[:2])
+            doc["timings_ms"] = {s: round(v, 3) for s, v in share.items()}
+            m.count(200)
+            with m.lock:
+                m.latency.observe(time.perf_counter() - t0)
+            return JSONResponse(doc)
+        finally:
+            with m.lock:
+                m.inflight -= 1
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        ok = service.ready and not service.draining
+        return JSONResponse({"ready": ok, "system": service.release, "version": service.version},
+                            status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(m.text(service.release, service.version, service.ready and not service.draining,
+                                        service.jobs.qsize()), media_type="text/plain; version=0.0.4")
+
+    return Starlette(routes=[Route("/v1/identify", identify, methods=["POST"]), Route("/healthz", healthz),
+                             Route("/readyz", readyz), Route("/metrics", metrics)])
+
+
+def serve(archive: Path, key: Path, host: str, port: int, workers: int, max_batch: int, queue_size: int,
+          max_bytes: int = MAX_BYTES, say=print) -> int:
+    """Verify, load `workers` copies, warm them, serve until SIGTERM (drain, exit 0) or Ctrl-C."""
+    import uvicorn
+
+    from kiln_runtime import release
+    from kiln_runtime.loadtest import cores
+
+    t0 = time.perf_counter()
+    threads = max(1, cores() // workers)
+    with release.verified(archive, key) as (tree, checked):
+        first = release.load(tree, checked, threads=threads)
+        systems = [first.system] + [release.load(tree, threads=threads).system for _ in range(workers - 1)]
+        service = Service(systems, first.name, first.version, max_batch, queue_size)
+        for s in systems:
+            warm(s)
+        service.ready = True
+        say(f"kiln-run: {first.name} v{first.version} verified ({len(checked)} checks) and warmed: {workers} "
+            f"worker(s) × {threads} thread(s) per engine, in {time.perf_counter() - t0:.2f} s; serving on "
+            f"http://{host}:{port}", flush=True)
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:       # noqa: ANN001 — uvicorn's signature
+                service.draining = True
+                if sig == signal.SIGTERM and not self.should_exit:
+                    self.should_exit = True                  # drain, then return: exit 0 (uvicorn would re-raise)
+                    return
+                super().handle_exit(sig, frame)
+
+        config = uvicorn.Config(app(service, max_bytes), host=host, port=port, log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=30, lifespan="off")
+        server = _Server(config)
+        try:
+            server.run()
+        finally:
+            service.stop()
+        if not server.started:
+            raise KilnError(f"could not listen on {host}:{port}", "pick a free port with --port")
+    say(f"kiln-run: drained ({service.metrics.frames} frames served); bye", flush=True)
+    return 0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+__all__ = ["MAX_BYTES", "Service", "answer", "app", "free_port", "serve", "warm"]
