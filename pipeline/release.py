@@ -19,9 +19,11 @@ archive `releases/<registered>-v<version>.tar.gz` holds two entries:
 Signing (offline, deterministic, EC P-256): pipeline/signing.py. The SLSA statement: pipeline/attestation.py. The
 tar is deterministic too: sorted entries, mtime 0, uid/gid 0, fixed modes, gzip without name or time.
 
-`verify-release` needs no MLflow and no network. It reads the archive once, as a stream, as strictly as it was
-written (pipeline/archive.py), so GNU tar can find nothing in it that the verifier did not check. Then
-model-signing verifies the signature and every file's digest (nothing unsigned is accepted), and Kiln re-checks the
+`verify-release` needs no MLflow and no network, and reads with the deployment runtime's code (kiln_runtime/release.py
+`verified`: what `kiln-run verify` runs on a host). It reads the archive once, as a stream, as strictly as it was
+written (kiln_runtime/archive.py), so GNU tar can find nothing in it that the verifier did not check. Then the
+signature and every file's digest are verified against the signed statement (kiln_runtime/signature.py: nothing
+unsigned is accepted; model-signing's own verifier accepts the same bundles), and Kiln re-checks the
 engine against its manifest, the verdict, every manifest link of the chain and the SLSA subjects, reading no
 document over a fixed size (pipeline/release_content.py). The first failure is named and the exit code is 1.
 
