@@ -67,6 +67,7 @@ def main() -> int:
     ap.add_argument("--build-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--streams", default="1,2,3,4,5,6,7,8", help="a finer grid than sysbench@'s: the ratio's resolution")
     args = ap.parse_args()
     kiln_run = args.runtime_venv / "bin" / "kiln-run"
     host = subprocess.run([str(args.runtime_venv / "bin" / "python"), "-c",
@@ -78,7 +79,8 @@ def main() -> int:
     ready = [start_to_ready(kiln_run, args.archive, args.key) for _ in range(args.trials)]
     print(f"serve start → ready (verified, warmed), {args.trials} trials: median {statistics.median(ready):.2f} s, "
           f"max {max(ready):.2f} s (goal ≤ 2 s)")
-    r = subprocess.run([str(kiln_run), "bench", args.archive, "--key", args.key, *args.photos, "--http",
+    r = subprocess.run([str(kiln_run), "bench", args.archive, "--key", args.key, *args.photos, "--http", "--streams",
+                        args.streams,
                         "--seconds", str(args.seconds)], text=True, encoding="utf-8")
     return r.returncode
 

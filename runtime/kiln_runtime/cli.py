@@ -279,11 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     release_args(p)
     p.add_argument("--port", type=_positive(int, 1, 65535), required=True, help="TCP port")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--workers", type=_positive(int, 0, 256), default=0, help="worker threads, each with its own "
+    p.add_argument("--workers", type=_positive(int, 0, 256), default=0, help="worker processes, each with its own "
                    "copy of the system (0: one per core)")
     p.add_argument("--max-batch", type=_positive(int, 1, 256), default=8, help="frames a worker takes at once (8)")
-    p.add_argument("--queue", type=_positive(int, 1, 100000), default=64, help="frames that may wait before "
-                   "requests are answered 503 (64)")
+    p.add_argument("--queue", type=_positive(int, 1, 100000), default=64, help="frames the service holds at once, "
+                   "queued or being run, before it answers 503 (64)")
     p.add_argument("--max-bytes", type=_positive(int, 1024, 1 << 30), default=20 << 20,
                    help="largest request body in bytes (20 MiB)")
     p.set_defaults(func=cmd_serve)

@@ -448,24 +448,42 @@ class Deployed:
     checked: list[str]        # what verification checked
 
 
-def load(tree: Path, checked: list[str] | None = None, threads: int | None = None) -> Deployed:
-    """The System of a verified, extracted system release tree, from its files alone: engines (each verified again
-    as it loads), how it runs (its system.json), the gallery. `threads`: each engine's intra-op threads."""
+@dataclass(frozen=True)
+class Layout:
+    """What a verified tree says it runs: the release, its system's Spec, and where each graph's engine is."""
+    name: str                 # kiln-system-<name>
+    version: int
+    system_name: str
+    spec: Spec
+    parts: dict[str, dict]    # model → its release.json part (engine, dir)
+    targets: dict[str, str]   # model → its engine's target (system.json)
+
+
+def layout(tree: Path) -> Layout:
+    """Read a verified tree's release.json and system.json (no engine loaded): GateFailed if this runtime would not
+    run the system exactly as described, or a graph has no part."""
     rel = json.loads((tree / "release.json").read_bytes())
     described = json.loads((tree / SYSTEM_DIR / SYSTEM_FILE).read_bytes())
     spec = Spec.described(described, f"{SYSTEM_DIR}/{SYSTEM_FILE}")
-    label = f"{rel['registered_model']} v{rel['version']}"
-    targets = {m: e.get("target") for m, e in described["engines"].items()}
     parts = {p["model"]: p for p in rel["parts"]}
     if missing := [m for m in spec.graphs if m not in parts]:
         raise _fail("release.json", f"no part for {', '.join(missing)}")
-    loaded = {m: runners.load(str(targets.get(m)), tree / parts[m]["dir"], parts[m]["engine"], threads)
-              for m in spec.graphs}
+    return Layout(rel["registered_model"], int(rel["version"]), str(rel["system"]), spec, parts,
+                  {m: str(e.get("target")) for m, e in described["engines"].items()})
+
+
+def load(tree: Path, checked: list[str] | None = None, threads: int | None = None) -> Deployed:
+    """The System of a verified, extracted system release tree, from its files alone: engines (each verified again
+    as it loads), how it runs (its system.json), the gallery. `threads`: each engine's intra-op threads."""
+    lay = layout(tree)
+    label = f"{lay.name} v{lay.version}"
+    loaded = {m: runners.load(lay.targets.get(m, ""), tree / lay.parts[m]["dir"], lay.parts[m]["engine"], threads)
+              for m in lay.spec.graphs}
     emb = np.array(np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False, mmap_mode="r"))   # checked above
     labels = json.loads((tree / GALLERY_DIR / LABELS).read_bytes())
-    made = System.of_runners(f"{rel['registered_model']}-v{rel['version']}", spec, loaded, (emb, labels),
-                             {m: f"{parts[m]['engine']} ({label})" for m in spec.graphs})
-    return Deployed(made, rel["registered_model"], int(rel["version"]), str(rel["system"]), list(checked or []))
+    made = System.of_runners(f"{lay.name}-v{lay.version}", lay.spec, loaded, (emb, labels),
+                             {m: f"{lay.parts[m]['engine']} ({label})" for m in lay.spec.graphs})
+    return Deployed(made, lay.name, lay.version, lay.system_name, list(checked or []))
 
 
 def release_system(threads: int, tree: str) -> System:

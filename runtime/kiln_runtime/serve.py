@@ -11,22 +11,23 @@
                         reason, queue depth, in-flight requests, process CPU seconds, the release served
 
 The archive is verified once, before the port opens (signature, content: kiln_runtime/release.py); any failure and
-the service does not start. Each of `workers` threads owns its own copy of the system (its engines with
-cores / workers intra-op threads) and takes up to `max_batch` queued frames at once — ONE embedder call and ONE
-gallery search for all their faces, as sysbench@ runs it. The queue is bounded: past `queue` waiting frames a request
-is answered 503 at once instead of growing latency without end. SIGTERM drains: the port closes, /readyz turns 503,
-requests in flight finish, the process exits 0.
+the service does not start. Each of `workers` worker processes owns its own copy of the system (its engines with
+cores / workers intra-op threads; processes, so the Python glue of one never waits on another's interpreter lock)
+and takes up to `max_batch` queued frames at once — ONE embedder call and ONE gallery search for all their faces, as
+sysbench@ runs it. The service is bounded: past `queue` frames in it (queued or being run) a request is answered 503
+at once instead of growing latency without end. SIGTERM drains: the port closes, /readyz turns 503, requests in
+flight finish, the process exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class Metrics:
         self.requests: dict[int, int] = {}
         self.errors: dict[str, int] = {}
         self.latency = Histogram()
-        self.stages = {s: Histogram() for s in STAGES}
+        self.stages = {s: Histogram() for s in ("decode", *STAGES)}
         self.frames = self.faces = self.batches = 0
         self.inflight = 0
 
@@ -89,7 +90,7 @@ class Metrics:
             if reason:
                 self.errors[reason] = self.errors.get(reason, 0) + 1
 
-    def text(self, release: str, version: int, ready: bool, queued: int) -> str:
+    def text(self, release: str, version: int, ready: bool, held: int, cpu_s: float) -> str:
         with self.lock:
             out = ["# HELP kiln_release_info The system release served.", "# TYPE kiln_release_info gauge",
                    f'kiln_release_info{{system="{release}",version="{version}"}} 1',
@@ -113,80 +114,209 @@ class Metrics:
                    f"kiln_faces_total {self.faces}",
                    "# HELP kiln_batches_total Batches the workers ran (frames / batches = mean batch).",
                    "# TYPE kiln_batches_total counter", f"kiln_batches_total {self.batches}",
-                   "# HELP kiln_queue_depth Frames waiting for a worker.", "# TYPE kiln_queue_depth gauge",
-                   f"kiln_queue_depth {queued}",
+                   "# HELP kiln_queue_depth Frames in the service: queued or being run (--queue bounds it).",
+                   "# TYPE kiln_queue_depth gauge", f"kiln_queue_depth {held}",
                    "# HELP kiln_inflight_requests Identify requests being answered.",
                    "# TYPE kiln_inflight_requests gauge", f"kiln_inflight_requests {self.inflight}",
-                   "# HELP process_cpu_seconds_total CPU time of this process, all threads.",
-                   "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {time.process_time():.6f}"]
+                   "# HELP process_cpu_seconds_total CPU time of the service: this process and its workers' batches.",
+                   "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {cpu_s:.6f}"]
         return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- the workers
-@dataclass
-class _Job:
-    rgb: np.ndarray
-    done: concurrent.futures.Future
+READY_TIMEOUT_S = 120.0
+
+
+class BadImage(KilnError):
+    """A request body that is not an image this service reads: its client's error (400)."""
+
+
+def _worker(tree: str, threads: int, max_batch: int, jobs, results) -> None:
+    """A worker process: load the verified tree's system (each engine verified again as it loads), warm it, say
+    ready, then run batches of up to `max_batch` queued frames until told to stop (None). The server stops it:
+    SIGINT and SIGTERM are ignored here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from kiln_runtime import release
+
+    try:
+        system = release.load(Path(tree), threads=threads).system
+        warm(system)
+        results.put(("ready", os.getpid(), None))
+    except BaseException as e:  # noqa: BLE001 — the server reports it as one line
+        results.put(("error", os.getpid(), f"{type(e).__name__}: {str(e)[:300]}"))
+        return
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        batch = [job]
+        while len(batch) < max_batch:
+            try:
+                nxt = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                jobs.put(None)                   # this worker's stop, taken after the batch
+                break
+            batch.append(nxt)
+        cpu0, timings, frames = time.process_time(), {}, []
+        t0 = time.perf_counter()
+        for jid, body in batch:                  # decoded here, beside the system: 100 kB over the pipe, not 1 MB
+            try:
+                frames.append((jid, decode_bytes(body, "request body")))
+            except KilnError as e:
+                results.put(("bad", os.getpid(), (jid, e.message, e.hint)))
+        timings["decode"] = (time.perf_counter() - t0) * 1e3
+        if not frames:
+            continue
+        ids = [jid for jid, _ in frames]
+        try:
+            found = system.identify_frames([rgb for _, rgb in frames], timings)
+        except KilnError as e:
+            results.put(("failed", os.getpid(), (ids, e.message, e.hint)))
+            continue
+        except Exception as e:  # noqa: BLE001 — one failed batch is its requests' 500s; the service goes on
+            results.put(("failed", os.getpid(), (ids, f"{type(e).__name__}: {str(e)[:200]}", "see the service's log")))
+            continue
+        results.put(("done", os.getpid(), (ids, found, [rgb.shape[:2] for _, rgb in frames], timings,
+                                           time.process_time() - cpu0)))
 
 
 class Service:
-    """Worker threads, each with its own system, fed by one bounded queue."""
+    """`workers` worker processes, each with its own copy of the system (no interpreter lock shared between them),
+    fed by one queue; at most `limit` frames in the service at once (waiting or being run): past it, `submit` raises
+    queue.Full and the request is answered 503."""
 
-    def __init__(self, systems: list[System], release: str, version: int, max_batch: int, queue_size: int) -> None:
-        self.release, self.version, self.max_batch = release, version, max_batch
-        self.jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+    def __init__(self, tree: Path, release: str, version: int, workers: int, threads: int, max_batch: int,
+                 limit: int) -> None:
+        import multiprocessing as mp
+
+        self.release, self.version, self.limit = release, version, limit
         self.metrics = Metrics()
         self.ready = self.draining = False
-        self.threads = [threading.Thread(target=self._work, args=(s,), daemon=True, name=f"kiln-worker-{i}")
-                        for i, s in enumerate(systems)]
-        for t in self.threads:
-            t.start()
+        self.worker_cpu = 0.0
+        self.pending: dict[int, concurrent.futures.Future] = {}
+        self.lock = threading.Lock()
+        self.next_id = 0
+        ctx = mp.get_context("spawn")                # no fork after ONNX Runtime threads exist
+        self.jobs, self.results = ctx.Queue(), ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(str(tree), threads, max_batch, self.jobs, self.results),
+                                  daemon=True) for _ in range(workers)]
+        self.collector: threading.Thread | None = None
+        try:
+            for w in self.procs:
+                w.start()
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.collector = threading.Thread(target=self._collect, daemon=True, name="kiln-collector")
+        self.collector.start()
 
-    def submit(self, rgb: np.ndarray) -> concurrent.futures.Future:
-        """Queue one frame; queue.Full when the queue is at its bound."""
-        job = _Job(rgb, concurrent.futures.Future())
-        self.jobs.put_nowait(job)
-        return job.done
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for _ in self.procs:
+            while True:
+                try:
+                    kind, pid, info = self.results.get(timeout=0.5)
+                    break
+                except queue.Empty:
+                    if dead := next((w for w in self.procs if not w.is_alive()), None):
+                        raise KilnError(f"a worker exited (code {dead.exitcode}) while loading the system",
+                                        "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO; a "
+                                        "worker killed by the OS may have run out of memory") from None
+                    if time.monotonic() > deadline:
+                        raise KilnError(f"a worker did not load the system within {READY_TIMEOUT_S:.0f} s",
+                                        "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO") \
+                            from None
+            if kind == "error":
+                raise KilnError(f"a worker could not load the system: {info}", "check the release loads: kiln-run "
+                                "identify ARCHIVE --key K.pub PHOTO")
+
+    def submit(self, body: bytes) -> concurrent.futures.Future:
+        """Queue one frame (the image's bytes: a worker decodes them); queue.Full when `limit` frames are already in
+        the service. The future: (matches, per-stage ms, (height, width)), or BadImage / KilnError."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if len(self.pending) >= self.limit:
+                raise queue.Full
+            jid, self.next_id = self.next_id, self.next_id + 1
+            self.pending[jid] = done
+        self.jobs.put((jid, body))
+        return done
+
+    def held(self) -> int:
+        with self.lock:
+            return len(self.pending)
+
+    def _collect(self) -> None:
+        """Hand each worker's answers to the requests waiting for them; a worker that died fails what is pending
+        and makes the service unready (a supervisor restarts it)."""
+        m = self.metrics
+        while True:
+            try:
+                msg = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if not self.draining and any(not w.is_alive() for w in self.procs):
+                    self.ready = False
+                    with self.lock:
+                        lost, self.pending = list(self.pending.values()), {}
+                    for f in lost:
+                        f.set_exception(KilnError("a worker process died", "restart the service"))
+                continue
+            if msg is None:
+                return
+            kind, _, info = msg
+            if kind == "bad":
+                jid, message, hint = info
+                with self.lock:
+                    fut = self.pending.pop(jid, None)
+                if fut is not None:
+                    fut.set_exception(BadImage(message, hint))
+                continue
+            if kind == "failed":
+                ids, message, hint = info
+                with self.lock:
+                    futures = [self.pending.pop(i, None) for i in ids]
+                for f in futures:
+                    if f is not None:
+                        f.set_exception(KilnError(message, hint))
+                continue
+            ids, found, shapes, timings, cpu = info
+            share = {st: ms / len(ids) for st, ms in timings.items()}
+            with m.lock:
+                self.worker_cpu += cpu
+                m.batches += 1
+                m.frames += len(ids)
+                m.faces += sum(len(f) for f in found)
+                for _ in ids:
+                    for st, ms in share.items():
+                        if st in m.stages:
+                            m.stages[st].observe(ms / 1e3)
+            with self.lock:
+                futures = [self.pending.pop(i, None) for i in ids]
+            for fut, f, shape in zip(futures, found, shapes):
+                if fut is not None:
+                    fut.set_result((f, share, shape))
 
     def stop(self) -> None:
-        for _ in self.threads:
+        """Stop the workers (each finishes its batch), then the collector; nothing left for the exit to wait on."""
+        for _ in self.procs:
             self.jobs.put(None)
-        for t in self.threads:
-            t.join(timeout=10)
-
-    def _work(self, system: System) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            batch = [job]
-            while len(batch) < self.max_batch:
-                try:
-                    nxt = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self.jobs.put(None)          # the stop for this thread is taken after this batch
-                    break
-                batch.append(nxt)
-            timings: dict[str, float] = {}
-            try:
-                found = system.identify_frames([j.rgb for j in batch], timings)
-            except Exception as e:  # noqa: BLE001 — one failed batch is its requests' 500s, the service goes on
-                for j in batch:
-                    j.done.set_exception(e)
-                continue
-            share = {s: ms / len(batch) for s, ms in timings.items()}
-            with self.metrics.lock:
-                self.metrics.batches += 1
-                self.metrics.frames += len(batch)
-                self.metrics.faces += sum(len(f) for f in found)
-                for _ in batch:
-                    for s, ms in share.items():
-                        if s in self.metrics.stages:
-                            self.metrics.stages[s].observe(ms / 1e3)
-            for j, f in zip(batch, found):
-                j.done.set_result((f, share))
+        deadline = time.monotonic() + 10
+        for w in self.procs:
+            if w.pid is not None:
+                w.join(timeout=max(0.0, deadline - time.monotonic()))
+                if w.is_alive():
+                    w.terminate()
+                    w.join(timeout=5)
+        if self.collector is not None:
+            self.results.put(None)
+            self.collector.join(timeout=5)
+        for q in (self.jobs, self.results):
+            q.cancel_join_thread()
+            q.close()
 
 
 def warm(system: System) -> None:
@@ -206,7 +336,6 @@ def warm(system: System) -> None:
 # ---------------------------------------------------------------------------------------------- the app
 def app(service: Service, max_bytes: int = MAX_BYTES):
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
@@ -234,25 +363,23 @@ def app(service: Service, max_bytes: int = MAX_BYTES):
                                   "send a smaller image (longest side ≤ 4096 is plenty for face detection)")
             if not body:
                 return refuse(400, "bad_image", "empty request body", "POST the image's bytes as the body")
-            try:
-                rgb = await run_in_threadpool(decode_bytes, bytes(body), "request body")
-            except KilnError as e:
-                return refuse(400, "bad_image", e.message, e.hint)
             if service.draining:
                 return refuse(503, "draining", "the service is shutting down", "retry on another replica",
                               **{"Retry-After": "1"})
             try:
-                done = service.submit(rgb)
+                done = service.submit(bytes(body))
             except queue.Full:
-                return refuse(503, "overloaded", f"{service.jobs.maxsize} frames already wait for a worker",
+                return refuse(503, "overloaded", f"{service.limit} frames are already in the service",
                               "retry shortly, or add replicas", **{"Retry-After": "1"})
             try:
-                found, share = await asyncio.wrap_future(done)
+                found, share, shape = await asyncio.wrap_future(done)
+            except BadImage as e:
+                return refuse(400, "bad_image", e.message, e.hint)
             except KilnError as e:
                 return refuse(500, "engine", e.message, e.hint)
             except Exception as e:  # noqa: BLE001 — one line, no trace; the service keeps serving
                 return refuse(500, "internal", f"{type(e).__name__}: {str(e)[:200]}", "see the service's log")
-            doc = answer(found, service.release, service.version, rgb.shape[:2])
+            doc = answer(found, service.release, service.version, shape)
             doc["timings_ms"] = {s: round(v, 3) for s, v in share.items()}
             m.count(200)
             with m.lock:
@@ -272,7 +399,8 @@ def app(service: Service, max_bytes: int = MAX_BYTES):
 
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(m.text(service.release, service.version, service.ready and not service.draining,
-                                        service.jobs.qsize()), media_type="text/plain; version=0.0.4")
+                                        service.held(), time.process_time() + service.worker_cpu),
+                                 media_type="text/plain; version=0.0.4")
 
     return Starlette(routes=[Route("/v1/identify", identify, methods=["POST"]), Route("/healthz", healthz),
                              Route("/readyz", readyz), Route("/metrics", metrics)])
@@ -289,14 +417,11 @@ def serve(archive: Path, key: Path, host: str, port: int, workers: int, max_batc
     t0 = time.perf_counter()
     threads = max(1, cores() // workers)
     with release.verified(archive, key) as (tree, checked):
-        first = release.load(tree, checked, threads=threads)
-        systems = [first.system] + [release.load(tree, threads=threads).system for _ in range(workers - 1)]
-        service = Service(systems, first.name, first.version, max_batch, queue_size)
-        for s in systems:
-            warm(s)
+        first = release.layout(tree)                  # refused here, in one line, before any worker starts
+        service = Service(tree, first.name, first.version, workers, threads, max_batch, queue_size)
         service.ready = True
         say(f"kiln-run: {first.name} v{first.version} verified ({len(checked)} checks) and warmed: {workers} "
-            f"worker(s) × {threads} thread(s) per engine, in {time.perf_counter() - t0:.2f} s; serving on "
+            f"worker process(es) × {threads} thread(s) per engine, in {time.perf_counter() - t0:.2f} s; serving on "
             f"http://{host}:{port}", flush=True)
 
         class _Server(uvicorn.Server):
@@ -313,6 +438,7 @@ def serve(archive: Path, key: Path, host: str, port: int, workers: int, max_batc
         try:
             server.run()
         finally:
+            service.draining = True
             service.stop()
         if not server.started:
             raise KilnError(f"could not listen on {host}:{port}", "pick a free port with --port")
