@@ -146,8 +146,14 @@ def _worker(tree: str, threads: int, max_batch: int, jobs, results) -> None:
     except BaseException as e:  # noqa: BLE001 — the server reports it as one line
         results.put(("error", os.getpid(), f"{type(e).__name__}: {str(e)[:300]}"))
         return
+    parent = os.getppid()
     while True:
-        job = jobs.get()
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:           # the server was killed (SIGKILL): do not linger as an orphan
+                return
+            continue
         if job is None:
             return
         batch = [job]
