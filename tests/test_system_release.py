@@ -478,7 +478,9 @@ def test_the_runtime_alone_runs_the_release_as_the_build_does(released, runtime_
     bad.write_bytes(bytes(data))
     for args, code, needle in ((["verify", str(bad), "--key", pub], (1, 2), "kiln-run: error:"),
                                (["verify", archive, "--key", str(tmp_path / "none.pub")], (2,), "no such public key"),
-                               (["identify", archive, "--key", pub, str(tmp_path / "missing.jpg")], (2,), "not found")):
+                               (["identify", archive, "--key", pub, str(tmp_path / "missing.jpg")], (2,), "not found"),
+                               (["bench", archive, "--key", pub, photos[0], "--json", str(tmp_path / "no" / "r.json")],
+                                (2,), "does not exist or is not writable")):
         r = _run(runtime_venv, *args, cwd=tmp_path / "host")
         assert r.returncode in code and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
     assert list((tmp_path / "host").iterdir()) == []
@@ -574,8 +576,9 @@ def test_serve_answers_over_http_and_drains_on_sigterm(released, runtime_venv, t
 
 
 @slow
-def test_serve_refuses_to_start_on_a_bad_release(released, runtime_venv, tmp_path):
-    """Verification happens before the port opens: a tampered archive never serves (exit 1, one line)."""
+def test_serve_refuses_to_start_on_a_bad_release_or_a_taken_port(released, runtime_venv, tmp_path):
+    """Verification happens before the port opens: a tampered archive never serves (exit 1, one line); nor does a
+    release on a port another process holds (exit 2, one line, not uvicorn's log after the workers started)."""
     from kiln_runtime.serve import free_port
 
     bad = tmp_path / "bad.tar.gz"
@@ -586,4 +589,13 @@ def test_serve_refuses_to_start_on_a_bad_release(released, runtime_venv, tmp_pat
     r = _run(runtime_venv, "serve", str(bad), "--key", str(released["pub"]), "--port", str(port), cwd=tmp_path,
              timeout=120)
     assert r.returncode in (1, 2) and "kiln-run: error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "serving on" not in r.stdout
+    import socket                             # a port already taken: one line, before any worker starts
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        r = _run(runtime_venv, "serve", str(released["release"].archive), "--key", str(released["pub"]), "--port",
+                 str(taken.getsockname()[1]), cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "serving on" not in r.stdout

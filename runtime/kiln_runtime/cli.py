@@ -111,6 +111,8 @@ def cmd_bench(args) -> int:
     bodies = [loadtest.jpeg(f) for f in frames.frames([rgb for _, rgb in _photos(args.photos)],
                                                       (args.width, args.height))]
     feed = [decode_bytes(b, "frame") for b in bodies]
+    if args.json:
+        _writable(Path(args.json))
     workers = args.workers or _cores()
     plan = loadtest.Plan(tuple(args.streams), args.fps, args.seconds, args.budget_ms, args.max_batch, workers,
                          max(1, _cores() // workers))
@@ -204,10 +206,24 @@ def _num(v, digits: int = 1) -> str:
     return "—" if v is None else f"{v:.{digits}f}"
 
 
+def _writable(path: Path) -> Path:
+    """--json FILE checked before a long sweep: its folder exists and is writable."""
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise KilnError(f"{path}: its folder {folder} does not exist or is not writable", "pass --json in a writable "
+                        "folder")
+    return path
+
+
 def _write_json(path: Path, doc: dict) -> None:
+    """Whole or not at all: a temporary sibling, then a rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise KilnError(f"cannot write {path} ({e.strerror})", "pass --json in a writable folder") from None
 
 
 def _cores() -> int:

@@ -26,10 +26,12 @@ import concurrent.futures
 import os
 import queue
 import signal
+import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -422,7 +424,7 @@ def serve(archive: Path, key: Path, host: str, port: int, workers: int, max_batc
 
     t0 = time.perf_counter()
     threads = max(1, cores() // workers)
-    with release.verified(archive, key) as (tree, checked):
+    with release.verified(archive, key) as (tree, checked), _listening(host, port) as sock:
         first = release.layout(tree)                  # refused here, in one line, before any worker starts
         service = Service(tree, first.name, first.version, workers, threads, max_batch, queue_size)
         service.ready = True
@@ -442,19 +444,34 @@ def serve(archive: Path, key: Path, host: str, port: int, workers: int, max_batc
                                 access_log=False, timeout_graceful_shutdown=30, lifespan="off")
         server = _Server(config)
         try:
-            server.run()
+            server.run(sockets=[sock])
         finally:
             service.draining = True
             service.stop()
-        if not server.started:
-            raise KilnError(f"could not listen on {host}:{port}", "pick a free port with --port")
     say(f"kiln-run: drained ({service.metrics.frames} frames served); bye", flush=True)
     return 0
 
 
-def free_port() -> int:
-    import socket
+@contextmanager
+def _listening(host: str, port: int) -> Iterator[socket.socket]:
+    """The service's socket, bound before anything loads: a port in use or an address not on this host is one line
+    at once, not a log line after the workers started."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))                     # reserved; uvicorn listens once the workers are ready
+    except OSError as e:
+        sock.close()
+        raise KilnError(f"cannot listen on {host}:{port} ({e.strerror or e})",
+                        "pick a free port with --port, or an address of this host with --host") from None
+    try:
+        yield sock
+    finally:
+        sock.close()
 
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
