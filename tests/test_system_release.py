@@ -599,3 +599,23 @@ def test_serve_refuses_to_start_on_a_bad_release_or_a_taken_port(released, runti
                  str(taken.getsockname()[1]), cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "serving on" not in r.stdout
+
+
+@slow
+def test_bench_sweeps_the_release_in_process_and_over_http(released, runtime_venv, tmp_path):
+    """`kiln-run bench --http` on the runtime venv: one short point in process, then `serve` started, swept over
+    loopback HTTP and stopped; the report names the host class and holds both sweeps (no timing is asserted)."""
+    root, c8 = released["root"], released["cfg"]
+    photo = str(list_photos(root / c8.data.photos)[0].path)
+    report = tmp_path / "bench.json"
+    r = _run(runtime_venv, "bench", str(released["release"].archive), "--key", str(released["pub"]), photo,
+             "--streams", "1", "--seconds", "0.5", "--fps", "4", "--http", "--json", str(report), cwd=tmp_path,
+             timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    doc = json.loads(report.read_text(encoding="utf-8"))
+    assert doc["host_class"] and doc["system"] == NAME and doc["serve_start_s"] > 0
+    for sweep in (doc["in_process"], doc["http"]):
+        point = sweep["points"][0]
+        assert point["streams"] == 1 and point["frames"] > 0 and point["decided"] + point["dropped"] == point["frames"]
+    assert "over HTTP (kiln-run serve, loopback)" in r.stdout and "host class" in r.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
