@@ -37,13 +37,13 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from pipeline import attestation, paths, signing
-from pipeline.archive import DISK_FULL, safe_extract, write_archive  # noqa: F401 — safe_extract: tests read with it
+from kiln_runtime.release import writing as _writing  # a full disk while staging: one line, as when extracting
+from pipeline.archive import safe_extract, write_archive  # noqa: F401 — safe_extract: tests read with it
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import identity_digest, json_bytes, manifest_path, sha256_file
 from pipeline.release_content import SCHEMA, check_content
@@ -189,21 +189,6 @@ def _place(staged: Path, dest: Path, sha: str) -> None:
     except OSError as e:          # full, over quota or `ulimit -f`, read-only, not ours: atomic_path removed its .tmp
         raise KilnError(f"cannot write {dest}: {e.strerror}",
                         "free space there (or pass --out DIR elsewhere), then run the same command again") from None
-
-
-@contextmanager
-def _writing(scratch: Path) -> Iterator[None]:
-    """A full disk (or quota, or `ulimit -f`) while staging in the scratch folder or recording: one line naming
-    where, not a traceback; the scratch folder itself is removed by its own context manager."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno not in DISK_FULL:
-            raise
-        where = e.filename2 or e.filename or f"in the temporary folder {scratch.parent}"
-        raise KilnError(f"cannot write {where}: {e.strerror}",
-                        "free space there, or point TMPDIR at a roomier filesystem, then run the command again") \
-            from None
 
 
 def _record(reg, name: str, version: int, ref: str, archive: Path, sha: str, locked: bool = False) -> bool:

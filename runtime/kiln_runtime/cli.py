@@ -120,7 +120,7 @@ def cmd_bench(args) -> int:
 
     host = host_class()
     with release.verified(Path(args.archive), Path(args.key)) as (tree, checked):
-        d = release.load(tree, checked)
+        d = release.layout(tree)                  # the workers load the engines; this process only names the release
         label = f"{d.name} v{d.version}"
         inproc = loadtest.sweep(plan, label, "kiln_runtime.release:release_system", {"tree": str(tree)}, feed,
                                 progress=lambda m: print(m, file=sys.stderr, flush=True))

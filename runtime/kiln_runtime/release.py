@@ -387,8 +387,9 @@ def _declared_files(tree: Path, system: str, parts) -> None:
 
 
 @contextmanager
-def _writing(scratch: Path) -> Iterator[None]:
-    """A full disk (or quota, or `ulimit -f`) while extracting: one line naming where, not a traceback."""
+def writing(scratch: Path) -> Iterator[None]:
+    """A full disk (or quota, or `ulimit -f`) while writing in a scratch folder (extracting here; the build stages a
+    release with it too): one line naming where, not a traceback."""
     try:
         yield
     except OSError as e:
@@ -411,7 +412,7 @@ def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[
         raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
     signature.load_public_key(public_key)
     done: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp, _writing(Path(tmp)):
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp, writing(Path(tmp)):
         tmp = Path(tmp)
         safe_extract(archive, tmp, top_file_max=MAX_DOC)
         top = sorted(p.name for p in tmp.iterdir())
