@@ -2,8 +2,8 @@
 # Create .venv and install Kiln from the hash-locked requirements. Idempotent: a second run is a no-op check.
 # Usage: bash scripts/setup.sh [--test] [--profile rtx|edge|xla|tvm]
 #   --test          adds the test-only lock (pytest, dlib-bin), every profile lock the tests build with (rtx, edge, xla, tvm) and,
-#                   if missing, Debian's chromium, postgresql, openssh-server (report, shared registry and remote
-#                   tests; root or sudo)
+#                   if missing, Debian's chromium, postgresql, openssh-server, docker-registry (report, shared
+#                   registry, remote and OCI registry tests; root or sudo)
 #   --profile rtx   adds lockfiles/rtx.txt: the TensorRT-RTX wheels the tensorrt-rtx target builds with (profiles/rtx.yaml)
 #   --profile edge  adds lockfiles/edge.txt: ExecuTorch (XNNPACK) for the executorch-xnnpack target and the LiteRT
 #                   runtime for the litert target (profiles/edge.yaml), and creates .venv-litert, the LiteRT
@@ -58,12 +58,14 @@ pipi --no-deps --no-build-isolation -e .
 pipi --no-deps --no-build-isolation -e runtime
 # Debian packages the tests use, installed here if missing: chromium (the HTML report is rendered in it),
 # postgresql (the shared-registry test runs scripts/registry-server.sh), openssh-server (scripts/remote-server.sh),
+# docker-registry (CNCF Distribution: the OCI registry tests push to and pull from, scripts/oci-registry.sh),
 # qemu-user (`kiln rebuild-check --cpu`: the portable stages rebuilt on an emulated CPU of another ISA class).
 if [ "$TEST" = 1 ]; then
   DEBS=()
   command -v chromium >/dev/null || DEBS+=(chromium)
   compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || DEBS+=(postgresql)
   [ -x /usr/sbin/sshd ] || DEBS+=(openssh-server)
+  command -v docker-registry >/dev/null || DEBS+=(docker-registry)
   command -v qemu-x86_64 >/dev/null || DEBS+=(qemu-user)
   if [ ${#DEBS[@]} -gt 0 ]; then
     SUDO=(); [ "$(id -u)" = 0 ] || SUDO=(sudo -n)

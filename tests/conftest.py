@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -316,6 +317,40 @@ def postgres_server():
     finally:
         subprocess.run(["bash", str(REPO / "scripts/registry-server.sh"), "stop", str(d)], capture_output=True,
                        timeout=120)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class OciRegistry:
+    dir: Path
+    host: str                      # 127.0.0.1:PORT
+    password: str
+
+    def env(self, **over: str) -> dict[str, str]:
+        """A client's environment: the registry's CA trusted, credentials from KILN_OCI_* (argv never holds them)."""
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_OCI_", "SSL_CERT_", "DOCKER_CONFIG"))}
+        return {**base, "SSL_CERT_FILE": str(self.dir / "ca.crt"), "KILN_OCI_USERNAME": "kiln",
+                "KILN_OCI_PASSWORD": self.password, **over}
+
+    def blob_file(self, digest: str) -> Path:
+        """Where the registry keeps a blob's bytes (Distribution's filesystem driver layout)."""
+        hexd = digest.split(":", 1)[1]
+        return self.dir / "store/docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+
+@pytest.fixture(scope="session")
+def oci_registry():
+    """The team setup for releases: scripts/oci-registry.sh — Debian's docker-registry (CNCF Distribution) on
+    loopback with TLS (its own CA) and basic auth (htpasswd, bcrypt)."""
+    d = Path(tempfile.mkdtemp(prefix="kiln-oci-"))
+    r = subprocess.run(["bash", str(REPO / "scripts/oci-registry.sh"), "start", str(d)], capture_output=True,
+                       text=True, timeout=120, encoding="utf-8", errors="replace")
+    try:
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield OciRegistry(d, r.stdout.split()[1], (d / "password").read_text(encoding="utf-8").strip())
+    finally:
+        subprocess.run(["bash", str(REPO / "scripts/oci-registry.sh"), "stop", str(d)], capture_output=True,
+                       timeout=60)
         shutil.rmtree(d, ignore_errors=True)
 
 

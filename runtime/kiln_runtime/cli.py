@@ -5,6 +5,11 @@
     kiln-run bench    ARCHIVE --key K.pub PHOTO…       the sustained-load sweep on this host, in process and
                                                        (--http) through `serve` over loopback, side by side
     kiln-run serve    ARCHIVE --key K.pub --port N     the HTTP service (kiln_runtime/serve.py)
+    kiln-run pull     REF --key K.pub --out DIR        fetch a release from an OCI registry by tag or digest, check
+                                                       every digest, verify it, and only then place it in DIR
+
+Each command that takes ARCHIVE takes an OCI reference too (HOST[:PORT]/PATH/NAME:TAG or …@sha256:DIGEST): pulled and
+verified into a private temporary folder first (kiln_runtime/oci.py).
 
 Loading an engine runs native code (ONNX Runtime / OpenVINO kernels named by the graph): every command verifies the
 archive against the publisher's key first, and every engine's files again as it loads. Errors are one
@@ -67,10 +72,19 @@ def _photos(paths: list[str]):
 
 
 # ---------------------------------------------------------------------------------------------- commands
+def _source(args):
+    """ARCHIVE as a local file: the file itself, or a registry reference pulled and verified into a temporary
+    folder (removed when the command ends)."""
+    from kiln_runtime import oci
+
+    return oci.local(args.archive, Path(args.key), args.plain_http,
+                     progress=lambda m: print(m, file=sys.stderr, flush=True))
+
+
 def cmd_verify(args) -> int:
     from kiln_runtime import release
 
-    with release.verified(Path(args.archive), Path(args.key)) as (_, checked):
+    with _source(args) as archive, release.verified(archive, Path(args.key)) as (_, checked):
         for line in checked:
             print(f"ok  {line}")
     print(f"verified: {args.archive}")
@@ -82,7 +96,7 @@ def cmd_identify(args) -> int:
     from kiln_runtime.serve import answer
 
     rgbs = _photos(args.photos)                       # a bad photo is refused before anything is extracted
-    with release.verified(Path(args.archive), Path(args.key)) as (tree, checked):
+    with _source(args) as archive, release.verified(archive, Path(args.key)) as (tree, checked):
         d = release.load(tree, checked)
         if args.json:
             for path, rgb in rgbs:
@@ -97,8 +111,24 @@ def cmd_identify(args) -> int:
 def cmd_serve(args) -> int:
     from kiln_runtime.serve import serve
 
-    return serve(Path(args.archive), Path(args.key), args.host, args.port, args.workers or _cores(), args.max_batch,
-                 args.queue, args.max_bytes)
+    with _source(args) as archive:
+        return serve(archive, Path(args.key), args.host, args.port, args.workers or _cores(), args.max_batch,
+                     args.queue, args.max_bytes)
+
+
+def cmd_pull(args) -> int:
+    from kiln_runtime import oci
+
+    ref = oci.parse_ref(args.ref)
+    got = oci.pull(ref, Path(args.key), Path(args.out), args.plain_http, args.max_bytes,
+                   progress=lambda m: print(m, flush=True))
+    for line in got.checked:
+        print(f"ok  {line}")
+    print(f"ok  reference: {ref} names system {got.system}" + (f" v{got.version}" if ref.tag and
+                                                              oci.VERSION_TAG.fullmatch(ref.tag) else ""))
+    where = "→" if got.placed else "already there, the same bytes:"
+    print(f"verified: {got.system} v{got.version}, manifest {got.digest} {where} {got.archive}")
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -119,7 +149,7 @@ def cmd_bench(args) -> int:
     from kiln_runtime.host import host_class
 
     host = host_class()
-    with release.verified(Path(args.archive), Path(args.key)) as (tree, checked):
+    with _source(args) as archive, release.verified(archive, Path(args.key)) as (tree, checked):
         d = release.layout(tree)                  # the workers load the engines; this process only names the release
         label = f"{d.name} v{d.version}"
         inproc = loadtest.sweep(plan, label, "kiln_runtime.release:release_system", {"tree": str(tree)}, feed,
@@ -128,7 +158,7 @@ def cmd_bench(args) -> int:
             "distinct": len(feed), "resolution": [args.width, args.height], "fps": args.fps,
             "sha256": frames.digest(feed), "encoding": "JPEG q95 (decoded for the in-process sweep)"}, "budget": {"p99_ms": args.budget_ms}, "in_process": inproc}
         if args.http:
-            report["http"], report["serve_start_s"] = _bench_http(args, plan, bodies, label)
+            report["http"], report["serve_start_s"] = _bench_http(args, archive, plan, bodies, label)
     _print_sweep("in process", inproc, args)
     if args.http:
         _print_sweep("over HTTP (kiln-run serve, loopback)", report["http"], args)
@@ -143,7 +173,7 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _bench_http(args, plan, bodies: list[bytes], label: str) -> tuple[dict, float]:
+def _bench_http(args, archive: Path, plan, bodies: list[bytes], label: str) -> tuple[dict, float]:
     """Start `kiln-run serve` on a free loopback port (a child process, as a deployment runs it), wait for /readyz,
     sweep it over HTTP, SIGTERM it; (the sweep, start → ready seconds)."""
     import signal
@@ -156,7 +186,7 @@ def _bench_http(args, plan, bodies: list[bytes], label: str) -> tuple[dict, floa
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    child = subprocess.Popen([sys.executable, "-m", "kiln_runtime.cli", "serve", str(args.archive), "--key",
+    child = subprocess.Popen([sys.executable, "-m", "kiln_runtime.cli", "serve", str(archive), "--key",
                               str(args.key), "--port", str(port), "--workers", str(plan.workers), "--max-batch",
                               str(plan.max_batch)], stdout=subprocess.DEVNULL)
     try:
@@ -256,13 +286,20 @@ def _positive(kind: type, low: float, high: float) -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Run a released Kiln face system: verify it, identify "
-                                     "faces, benchmark it on this host, serve it over HTTP.")
+    parser = argparse.ArgumentParser(prog=PROG, description="Run a released Kiln face system: pull it from an OCI "
+                                     "registry, verify it, identify faces, benchmark it on this host, serve it over "
+                                     "HTTP.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def release_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("archive", help="the system release archive (kiln-system-NAME-vN.tar.gz)")
+        p.add_argument("archive", help="the system release archive (kiln-system-NAME-vN.tar.gz), or an OCI reference "
+                       "HOST[:PORT]/PATH/NAME:TAG or …@sha256:DIGEST (pulled and verified first)")
+        key_args(p)
+
+    def key_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--key", required=True, help="the publisher's public key (KEY.pub, from kiln keygen)")
+        p.add_argument("--plain-http", action="store_true", help="a registry reference over plain HTTP, not TLS "
+                       "(credentials: KILN_OCI_USERNAME / KILN_OCI_PASSWORD or the docker config file)")
 
     p = sub.add_parser("verify", help="verify a release offline: signature, then every content check")
     release_args(p)
@@ -303,6 +340,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=_positive(int, 1024, 1 << 30), default=20 << 20,
                    help="largest request body in bytes (20 MiB)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("pull", help="fetch a release from an OCI registry, check every digest, verify it, place it")
+    p.add_argument("ref", metavar="REF", help="HOST[:PORT]/PATH/NAME:TAG or HOST[:PORT]/PATH/NAME@sha256:DIGEST (NAME "
+                   "is the system's name; a tag is a hint, the digest and the signature decide)")
+    key_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder the verified archive is placed in "
+                   "(created if missing; a failed pull places nothing)")
+    from kiln_runtime.oci import MAX_BLOB
+
+    p.add_argument("--max-bytes", type=_positive(int, 1, 1 << 40), default=MAX_BLOB, help="largest release archive "
+                   f"accepted, before fetching it ({MAX_BLOB >> 30} GiB)")
+    p.set_defaults(func=cmd_pull)
     return parser
 
 
