@@ -85,7 +85,7 @@ def pushed(oci_registry, tmp_path_factory):
     """A stand-in archive pushed as demo:3 (twice: one digest); (ref, the Pushed, the archive)."""
     d = tmp_path_factory.mktemp("oci-archive")
     archive = d / "kiln-system-demo-v3.tar.gz"
-    archive.write_bytes(os.urandom(3 << 20))
+    archive.write_bytes(os.urandom(24 << 20))    # larger than socket buffers: a 401 mid-upload would cut the send
     ref = oci.parse_ref(f"{oci_registry.host}/kiln/demo:3")
     with pytest.MonkeyPatch.context() as mp:
         for k, v in oci_registry.env().items():

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -619,3 +620,127 @@ def test_bench_sweeps_the_release_in_process_and_over_http(released, runtime_ven
         assert point["streams"] == 1 and point["frames"] > 0 and point["decided"] + point["dropped"] == point["frames"]
     assert "over HTTP (kiln-run serve, loopback)" in r.stdout and "host class" in r.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]
+
+
+# ---------------------------------------------------------------------------------------------- through an OCI registry
+def _push(reg, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", "push", *args], env=reg.env(), capture_output=True,
+                          text=True, encoding="utf-8", timeout=300, cwd=REPO)
+
+
+def _run_with(venv: Path, env: dict, *args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in env.items() if not k.startswith(("MLFLOW_", "PYTHON"))}
+    return subprocess.run([str(venv / "bin" / "kiln-run"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          encoding="utf-8", timeout=timeout)
+
+
+@slow
+def test_push_pull_verify_serve_through_an_oci_registry(released, runtime_venv, oci_registry, tmp_path):
+    """`kiln push` (the build) → the registry (TLS, basic auth) → `kiln-run pull` by tag and by digest (the runtime
+    venv alone) → the same bytes placed → `kiln-run serve REF` answers. The same release pushed twice has one
+    manifest digest; the manifest carries the system, version, verdict and every part's digest; the password is
+    never printed."""
+    archive, pub = released["release"].archive, str(released["pub"])
+    ref = f"{oci_registry.host}/kiln/{SYSTEM}:1"
+    first, again = _push(oci_registry, str(archive), ref, "--key", pub), _push(oci_registry, str(archive), ref,
+                                                                               "--key", pub)
+    assert first.returncode == 0 and again.returncode == 0, first.stderr + again.stderr
+    digest = first.stdout.split("manifest ")[1].split()[0]
+    assert again.stdout.split("manifest ")[1].split()[0] == digest and "the registry had it already" in again.stdout
+    from kiln_runtime import oci
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in oci_registry.env().items():
+            mp.setenv(k, v)
+        raw, got = oci.Registry(oci.parse_ref(ref)).manifest()
+    notes = json.loads(raw)["annotations"]
+    rel = json.loads((_tree(archive, tmp_path / "t") / "release.json").read_text(encoding="utf-8"))
+    assert got == digest and notes["dev.kiln.system"] == SYSTEM and notes["dev.kiln.version"] == "1"
+    assert notes["dev.kiln.verdict"] == "pass" and notes["dev.kiln.system.sha256"] == rel["system_sha256"]
+    assert {k.removeprefix("dev.kiln.part.") for k in notes if k.startswith("dev.kiln.part.")} == \
+        {p["model"] for p in rel["parts"]}
+
+    host = tmp_path / "host"
+    host.mkdir()
+    env = oci_registry.env()
+    by_tag = _run_with(runtime_venv, env, "pull", ref, "--key", pub, "--out", "releases", cwd=host)
+    assert by_tag.returncode == 0, by_tag.stderr[-3000:]
+    placed = host / "releases" / archive.name
+    assert [p.name for p in (host / "releases").iterdir()] == [archive.name]
+    assert placed.read_bytes() == archive.read_bytes() and f"manifest {digest}" in by_tag.stdout
+    pinned = f"{oci_registry.host}/kiln/{SYSTEM}@{digest}"
+    by_digest = _run_with(runtime_venv, env, "pull", pinned, "--key", pub, "--out", "releases", cwd=host)
+    assert by_digest.returncode == 0 and "already there, the same bytes" in by_digest.stdout, by_digest.stderr
+    for r in (first, again, by_tag, by_digest):
+        assert oci_registry.password not in r.stdout + r.stderr
+
+    from kiln_runtime.serve import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([str(runtime_venv / "bin" / "kiln-run"), "serve", pinned, "--key", pub, "--port",
+                             str(port), "--workers", "1"], cwd=host, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, encoding="utf-8")
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            try:
+                if _get(f"http://127.0.0.1:{port}/readyz", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() - t0 < 90, "not ready within 90 s"
+            time.sleep(0.05)
+        photo = list_photos(released["root"] / released["cfg"].data.photos)[0].path
+        status, body = _get(f"http://127.0.0.1:{port}/v1/identify", photo.read_bytes())
+        assert status == 200 and json.loads(body)["faces"] and json.loads(body)["system"] == NAME, body[:300]
+    finally:
+        import signal
+
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err and "pulled" in err, err[-2000:]
+    assert sorted(p.name for p in host.rglob("*")) == [archive.name, "releases"]
+
+
+@slow
+def test_a_re_signed_or_re_pointed_release_is_refused_on_pull(released, oci_registry, tmp_path, monkeypatch,
+                                                              capsys):
+    """What a registry cannot vouch for: an archive re-signed under an attacker's key (its digests all hold) fails
+    the signature; the publisher's own signed release under another system's tag, or under another version's tag,
+    fails the reference's binding. One line each; nothing placed."""
+    from kiln_runtime import cli as runtime_cli
+    from kiln_runtime import oci
+
+    for k, v in oci_registry.env().items():
+        monkeypatch.setenv(k, v)
+    archive, pub = released["release"].archive, str(released["pub"])
+    evil_key, _ = signing.keygen(tmp_path / "attacker" / "key.pem")
+    tree = _tree(archive, tmp_path / "x")
+    sig = tmp_path / "x" / f"{REL}{release.SIG_SUFFIX}"
+    sig.unlink()
+    signing.sign_tree(tree, sig, evil_key)
+    resigned = _repack(tmp_path / "x", tmp_path / "attacker" / archive.name)
+    doc = json.loads((tree / "release.json").read_text(encoding="utf-8"))
+    oci.push(resigned, oci.parse_ref(f"{oci_registry.host}/evil/{SYSTEM}:1"), doc)
+
+    good = oci.push(archive, oci.parse_ref(f"{oci_registry.host}/kiln/{SYSTEM}:1"), doc)
+    raw = oci.Registry(oci.parse_ref(f"{oci_registry.host}/kiln/{SYSTEM}:1")).manifest()[0]
+    other = oci.Registry(oci.parse_ref(f"{oci_registry.host}/kiln/other-system:1"))    # the attacker's re-point
+    other.push_blob(archive, good.layer)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "c").write_bytes(oci.EMPTY)
+        other.push_blob(Path(tmp) / "c", oci.EMPTY_DESCRIPTOR)
+    other.put_manifest(raw)
+    oci.Registry(oci.parse_ref(f"{oci_registry.host}/kiln/{SYSTEM}:2")).put_manifest(raw)
+
+    out = tmp_path / "out"
+    for ref, needle in ((f"{oci_registry.host}/evil/{SYSTEM}:1", "verification failed"),
+                        (f"{oci_registry.host}/kiln/other-system:1", f"signed release is system '{SYSTEM}'"),
+                        (f"{oci_registry.host}/kiln/{SYSTEM}:2", "the tag says version 2")):
+        code = runtime_cli.main(["pull", ref, "--key", pub, "--out", str(out)])
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert code == 1 and lines[0].startswith("kiln-run: error:") and needle in lines[0], err
+        assert len(lines) <= 2 and "Traceback" not in err and ".kiln-pull-" not in err, err
+        assert not out.exists() and not list(tmp_path.glob(".kiln-pull-*")), ref

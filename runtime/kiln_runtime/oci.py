@@ -196,6 +196,10 @@ class Registry:
             self.client.auth.set_basic_auth(user, password)
         else:
             self.client.auth.load_configs(self.container, configs=[c] if (c := _docker_config()) else None)
+        if backend == "basic" and getattr(self.client.auth, "_basic_auth", None):
+            # sent with every request, not after a 401: a registry answers a large upload's 401 before reading
+            # its body and closes the connection mid-send (oras-py's upload_blob sends these headers)
+            self.client.headers.update(self.client.auth.get_auth_header())
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -241,7 +245,7 @@ class Registry:
         registry; equal to the reference's digest when it has one."""
         with self._errors():
             r = self.client.do_request(self._url("manifests", self.ref.reference), "GET",
-                                       headers={"Accept": MANIFEST_TYPE}, stream=True)
+                                       headers={**self.client.headers, "Accept": MANIFEST_TYPE}, stream=True)
             with r:
                 self._status(r, "the manifest")
                 raw = _bounded_read(r, MAX_MANIFEST, f"{self.ref}: the manifest")
@@ -251,12 +255,13 @@ class Registry:
                              "the registry or something between is not serving what was pushed; nothing was placed")
         return raw, digest
 
-    def blob(self, descriptor: dict[str, Any], out: Path, progress: Callable[[int], None] | None = None) -> None:
+    def blob(self, descriptor: dict[str, Any], out: Path) -> None:
         """Stream one blob into `out`: never more than its declared size, and its sha256 must be its digest."""
         digest, size = descriptor["digest"], descriptor["size"]
         h, n = hashlib.sha256(), 0
         with self._errors():
-            r = self.client.do_request(self._url("blobs", digest), "GET", stream=True)
+            r = self.client.do_request(self._url("blobs", digest), "GET", headers=dict(self.client.headers),
+                                       stream=True)
             with r:
                 self._status(r, f"blob {digest[:19]}…")
                 declared = r.headers.get("Content-Length")
@@ -272,8 +277,6 @@ class Registry:
                                              "the registry is not serving what was pushed; nothing was placed")
                         h.update(chunk)
                         f.write(chunk)
-                        if progress:
-                            progress(n)
         if n != size or "sha256:" + h.hexdigest() != digest:
             raise GateFailed(f"{self.ref}: blob {digest} does not match its digest ({n} bytes received, "
                              f"sha256:{h.hexdigest()[:16]}…)", "the registry is not serving what was pushed; "
@@ -283,7 +286,8 @@ class Registry:
     def push_blob(self, path: Path, descriptor: dict[str, Any]) -> bool:
         """Upload one blob unless the repository has it; whether it was uploaded."""
         with self._errors():
-            head = self.client.do_request(self._url("blobs", descriptor["digest"]), "HEAD")
+            head = self.client.do_request(self._url("blobs", descriptor["digest"]), "HEAD",
+                                          headers=dict(self.client.headers))
             if head.status_code == 200:
                 return False
             self._status(head, "push (checking a blob)") if head.status_code != 404 else None
@@ -295,7 +299,7 @@ class Registry:
         digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         with self._errors():
             r = self.client.do_request(self._url("manifests", self.ref.tag or digest), "PUT", data=raw,
-                                       headers={"Content-Type": MANIFEST_TYPE})
+                                       headers={**self.client.headers, "Content-Type": MANIFEST_TYPE})
             self._status(r, "push of the manifest")
         said = r.headers.get("Docker-Content-Digest")
         if said and said != digest:
