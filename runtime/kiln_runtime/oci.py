@@ -395,7 +395,7 @@ def pull(ref: Ref, public_key: Path, out_dir: Path, plain_http: bool = False, ma
     raw, digest = reg.manifest()
     layer = _layer(raw, ref, max_bytes)
     if progress:
-        progress(f"pulling {ref} → {digest} (1 layer, {layer['size'] / 1e6:.1f} MB)")
+        progress(f"pulling {ref}{'' if ref.digest else ' → ' + digest} (1 layer, {layer['size'] / 1e6:.1f} MB)")
     fd, tmp_name = tempfile.mkstemp(prefix=".kiln-pull-", suffix=".tar.gz", dir=staging)
     os.close(fd)
     tmp = Path(tmp_name)
@@ -435,5 +435,5 @@ def local(source: str, public_key: Path, plain_http: bool = False,
     with tempfile.TemporaryDirectory(prefix="kiln-run-pull-") as tmp:
         got = pull(ref, public_key, Path(tmp) / "release", plain_http, progress=progress)
         if progress:
-            progress(f"pulled {ref} ({got.digest}): {got.system} v{got.version}")
+            progress(f"pulled {ref}{'' if ref.digest else ' (' + got.digest + ')'}: {got.system} v{got.version}")
         yield got.archive
