@@ -290,7 +290,8 @@ class Registry:
                                           headers=dict(self.client.headers))
             if head.status_code == 200:
                 return False
-            self._status(head, "push (checking a blob)") if head.status_code != 404 else None
+            if head.status_code != 404:               # 404: not there yet, upload it
+                self._status(head, "push (checking a blob)")
             r = self.client.upload_blob(str(path), self.container, descriptor)
             self._status(r, f"push of blob {descriptor['digest'][:19]}…")
         return True
