@@ -140,11 +140,54 @@ class Preprocess:
         (1.0, 1.0, 1.0)
 
 
+HeadName = Annotated[StrictStr, Field(min_length=1, max_length=200)]
+
+
 @frozen
 class Decode:
-    """A single-shot detector's decode (samples: retinaface, kiln_runtime/retinaface.py)."""
+    """A single-shot detector's decode. samples: retinaface — the thresholds (kiln_runtime/retinaface.py); samples:
+    singleshot — the whole head declared (kiln_runtime/singleshot.py says what each key means): any family whose
+    outputs are per-stride score, box and landmark maps, with no code."""
     score_threshold: Annotated[Float, Field(gt=0, lt=1)] = 0.9
     nms_threshold: Annotated[Float, Field(gt=0, lt=1)] = 0.4
+    strides: Optional[Annotated[tuple[Annotated[StrictInt, Field(ge=1, le=1024)], ...], Field(min_length=1)]] = None
+    outputs: Optional[dict[Literal["class", "objectness", "box", "landmarks"],
+                           Annotated[tuple[HeadName, ...], Field(min_length=1)]]] = None
+    anchor_sizes: tuple[tuple[Annotated[Float, Field(gt=0)], ...], ...] = ()   # per stride; () anchor-free
+    anchor_offset: Annotated[Float, Field(ge=0, le=1)] = 0.0
+    box: Literal["centre-size", "distance"] = "centre-size"
+    variances: tuple[Annotated[Float, Field(gt=0)], Annotated[Float, Field(gt=0)]] = (1.0, 1.0)
+    score: Literal["class", "class-x-objectness", "sqrt-class-x-objectness"] = "class"
+    score_column: StrictInt = -1
+    channels: Literal["rgb", "bgr"] = "bgr"
+    mean: Rgb = (0.0, 0.0, 0.0)
+    std: tuple[Annotated[Float, Field(gt=0)], Annotated[Float, Field(gt=0)], Annotated[Float, Field(gt=0)]] = \
+        (1.0, 1.0, 1.0)
+    pad_to: Annotated[StrictInt, Field(ge=1, le=256)] = 1
+    top_k: Annotated[StrictInt, Field(ge=1, le=100000)] = 5000
+
+    @property
+    def declared(self) -> bool:
+        """A whole head is declared (samples: singleshot), not only thresholds."""
+        return self.strides is not None or self.outputs is not None
+
+    @model_validator(mode="after")
+    def _head(self):
+        if not self.declared:
+            return self
+        if self.strides is None or self.outputs is None:
+            raise ValueError("a declared decode names both `strides` and `outputs`")
+        need = {"class", "box", "landmarks", *(("objectness",) if "objectness" in self.score else ())}
+        if missing := sorted(need - set(self.outputs)):
+            raise ValueError(f"outputs: no {', '.join(missing)} (score {self.score} reads class"
+                             f"{' and objectness' if 'objectness' in self.score else ''}; box and landmarks always)")
+        for head, names in self.outputs.items():
+            if len(names) not in (1, len(self.strides)):
+                raise ValueError(f"outputs.{head}: one name (all strides concatenated) or one per stride "
+                                 f"({len(self.strides)})")
+        if self.anchor_sizes and len(self.anchor_sizes) != len(self.strides):
+            raise ValueError(f"anchor_sizes: one list per stride ({len(self.strides)}), or none (anchor-free)")
+        return self
 
 
 @frozen
@@ -191,6 +234,12 @@ class ModelConfig:
             raise ValueError(f"a {self.samples} detector comes from an ONNX file (`onnx: {{path, sha256}}`)")
         if self.decode is not None and role.task != "detect":
             raise ValueError(f"decode is for single-shot detectors (samples: {_kinds('detect')})")
+        if role.declared_decode and (self.decode is None or not self.decode.declared):
+            raise ValueError(f"a {self.samples} detector declares its head: decode: {{strides, outputs, box, "
+                             "score, …}} (kiln_runtime/singleshot.py)")
+        if self.decode is not None and self.decode.declared and not role.declared_decode:
+            raise ValueError(f"a {self.samples} detector's head is decoded by its own code: keep only "
+                             "decode.score_threshold / nms_threshold, or use samples: singleshot")
         if self.metric == "cosine" and self.verify_threshold is not None and self.verify_threshold > 1:
             raise ValueError("a cosine verify_threshold is a similarity in (0, 1]")
         return self
@@ -448,6 +497,10 @@ class SystemSpec:
     precision: Literal[PRECISIONS] = "int8"     # its FP32 one (as `kiln identify --target/--precision`) …
     engines: dict[Slug, Slug] = field(default_factory=dict)   # … unless pinned here by name: {model: engine}
     gate: SystemGate = field(default_factory=SystemGate)
+    # a singleshot detector's input: [width, height] the frame is scaled to fit before detection (boxes and
+    # landmarks mapped back); None: the frame's own size
+    detect_size: Optional[tuple[Annotated[StrictInt, Field(ge=16, le=4096)],
+                                Annotated[StrictInt, Field(ge=16, le=4096)]]] = None
     name: StrictStr = ""
 
 
@@ -680,6 +733,9 @@ def _check_systems(p: Params) -> list[tuple[str, str, str]]:
         elif det is None or roles.entry(det.samples).task != "detect":
             bad.append((f"systems.{name}.detector", f"{sy.detector!r} is neither `mtcnn` nor a {_kinds('detect')} "
                         "model", f"name `mtcnn` or a model with samples: {_kinds('detect')}"))
+        if sy.detect_size is not None and (det is None or not roles.entry(det.samples).declared_decode):
+            bad.append((f"systems.{name}.detect_size", "scales the frame for a declared single-shot detector only",
+                        "drop detect_size, or detect with a model of samples: singleshot"))
         if sy.embedder not in p.models or roles.entry(p.models[sy.embedder].samples).task != "embed":
             embedders = [m for m, s in p.models.items() if roles.entry(s.samples).task == "embed"]
             bad.append((f"systems.{name}.embedder", f"{sy.embedder!r} is not an embedder (samples: {_kinds('embed')})",

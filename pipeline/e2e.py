@@ -31,6 +31,7 @@ from pipeline.data import load_set
 from pipeline.errors import KilnError
 from kiln_runtime import system as run
 from kiln_runtime.mtcnn import DetectorConfig
+from kiln_runtime.system import BY_NAME, net_of
 from kiln_runtime.system import Match, Spec  # noqa: F401 — a system's answers; how it runs (its system.json)
 from pipeline.samples import NETS           # the MTCNN cascade's models
 
@@ -49,6 +50,11 @@ def described(cfg: Config, system: str, aligner: bool) -> dict:
     emb = cfg.model(spec.embedder)
     if spec.detector == MTCNN:
         detector = {"kind": MTCNN, **asdict(DetectorConfig(min_face_size=cfg.data.min_face_size))}
+    elif cfg.model(spec.detector).samples in BY_NAME:          # a declared head: the whole decode, and the
+        from pipeline.roles.singleshot import runtime_decode        # frame size it detects at (a system's choice)
+
+        detector = {"kind": cfg.model(spec.detector).samples, "model": spec.detector,
+                    **runtime_decode(cfg.model(spec.detector), spec.detect_size).doc()}
     else:
         dcfg = cfg.model(spec.detector)
         detector = {"kind": dcfg.samples, "model": spec.detector, **asdict(dcfg.decode)}
@@ -177,8 +183,8 @@ class System:
                    for m in graphs(cfg, system)}
         chosen = dict(labels) if labels else {m: picks[m] for m in runners}
         spec = cfg.system(system)
-        nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m])
-                     for m in (NETS if spec.detector == MTCNN else (spec.detector,)))
+        by_name = spec.detector != MTCNN and cfg.model(spec.detector).samples in BY_NAME
+        nets = tuple(net_of(runners[m], by_name) for m in (NETS if spec.detector == MTCNN else (spec.detector,)))
         align = None
         if "aligner" in runners:
             align = lambda image, theta: runners["aligner"].run_all({"image": image, "theta": theta})[0]  # noqa: E731
@@ -276,7 +282,9 @@ def _reference(mcfg, root: Path) -> Callable[..., tuple[np.ndarray, ...]]:
 
         proto = onnx_import.load_source(mcfg, root)
         onnx_import.check_source(proto, mcfg, mcfg.onnx.path)
-        run_feed, _ = onnx_import.reference_session(proto, mcfg.layout)
+        run_feed, names = onnx_import.reference_session(proto, mcfg.layout, mcfg.dynamic.get("input", ()))
+        if mcfg.samples in BY_NAME:       # a declared decode reads outputs by name
+            return lambda x: dict(zip(names, run_feed({"x0": x})))
         return lambda *xs: tuple(run_feed({f"x{i}": x for i, x in enumerate(xs)}))   # bound by position
     import torch
 

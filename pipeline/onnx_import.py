@@ -355,6 +355,32 @@ def dynamic_batch(proto: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     return m, {"batch_made_dynamic": changed}
 
 
+def open_axes(proto: onnx.ModelProto, axes) -> tuple[onnx.ModelProto, dict]:
+    """The input axes models.<m>.dynamic declares beyond the batch (a whole-photo detector's height and width)
+    become symbolic where the file fixes them; every output's shape beyond the batch is then re-inferred. Changes no
+    value: a graph that hard-codes the size inside fails shape inference or the parity run, one clear error."""
+    axes = sorted(a for a in axes if a > 0)
+    m = onnx.ModelProto()
+    m.CopyFrom(proto)
+    if not axes or len(m.graph.input) != 1:
+        return m, {}
+    dims = m.graph.input[0].type.tensor_type.shape.dim
+    opened = []
+    for a in axes:
+        if a < len(dims) and not dims[a].dim_param:
+            dims[a].ClearField("dim_value")
+            dims[a].dim_param = f"input_{a}"
+            opened.append(a)
+    if not opened:
+        return m, {}
+    for o in m.graph.output:
+        for d in list(o.type.tensor_type.shape.dim)[1:]:
+            d.ClearField("dim_value")
+            d.ClearField("dim_param")
+    del m.graph.value_info[:]
+    return m, {"input_axes_made_dynamic": opened}
+
+
 def rename_input(proto: onnx.ModelProto, name: str = "input") -> tuple[onnx.ModelProto, dict]:
     """The one graph input renamed to `name`, the name every feed of a chips model uses (pipeline/samples.py)."""
     m = onnx.ModelProto()
@@ -440,9 +466,11 @@ def check_io(proto: onnx.ModelProto, mcfg, source: str, layout: str | None = Non
                                                                    if layout == "nhwc" else ""),
                         f"set models.{name}.input_shape (and preprocess.chip_size) to the model's input size")
     outs = {o.name: _dims(o) for o in g.output}
-    if what := roles.get(mcfg.samples).check_outputs([len(d) for d in outs.values()]):   # the outputs its role needs
+    role = roles.get(mcfg.samples)
+    if what := role.check_outputs([len(d) for d in outs.values()]):   # the outputs its role needs
         raise KilnError(f"{source}: model {name!r} outputs {outs}: {what}",
                         f"import the right outputs, or check models.{name}.samples")
+    role.check_graph(mcfg, outs, source)                # by name: a declared decode's outputs exist
     return {"inputs": {g.input[0].name: dims}, "outputs": outs}
 
 
@@ -488,17 +516,45 @@ def ort_ops(message: str) -> list[str]:
     return sorted(set(found)) or [f"(session build failed: {message.strip().splitlines()[0][:200]})"]
 
 
-def reference_session(proto: onnx.ModelProto, layout: str = "nchw"):
+def _refused_dequantize(sess_run, m: onnx.ModelProto) -> bool:
+    """Does ONNX Runtime refuse to run the file's weight DequantizeLinear nodes? (Build succeeds; the first run
+    fails: e.g. a per-tensor scale with a block_size attribute, which the ONNX spec ignores and ORT rejects.)"""
+    shape = [d.dim_value or 1 for d in m.graph.input[0].type.tensor_type.shape.dim] if len(m.graph.input) == 1 else []
+    if not shape or m.graph.input[0].type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+        return False
+    import onnxruntime as ort
+
+    quiet = ort.RunOptions()
+    quiet.log_severity_level = 4                # the refusal is expected here, not an error to print
+    try:
+        sess_run(None, {m.graph.input[0].name: np.zeros(shape, np.float32)}, quiet)
+        return False
+    except Exception as e:  # noqa: BLE001 — ORT's own exception types
+        return "DequantizeLinear" in str(e)
+
+
+def reference_session(proto: onnx.ModelProto, layout: str = "nchw", axes=()):
     """ONNX Runtime on `runnable(proto)` with graph optimizations off: the reference of an ONNX-sourced model.
-    Feeds are NCHW; an NHWC model (`layout`) gets them transposed."""
+    Feeds are NCHW; an NHWC model (`layout`) gets them transposed; `axes`: the input axes models.<m>.dynamic
+    declares, opened where the file fixes them (`open_axes`). Where ORT refuses the file's own weight
+    DequantizeLinear nodes, the reference runs the weights as ONNX's reference implementation dequantizes them
+    (`fold_weights`: the values the spec defines, stored), and the returned run's `note` says so."""
     import onnxruntime as ort
 
     m, _ = runnable(proto)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
+    note = None
     try:
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        if _refused_dequantize(sess.run, m):
+            m, _ = fold_weights(m)
+            note = ("ONNX Runtime refuses the file's weight DequantizeLinear nodes: the weights as ONNX's reference "
+                    "implementation dequantizes them (the spec's values)")
+        m, opened = open_axes(m, axes)
+        if opened or note:
+            sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 — ORT's own Fail / NotImplemented / InvalidGraph types
         raise KilnError(f"ONNX Runtime, the reference of an imported model, cannot run it: "
                         f"{', '.join(ort_ops(str(e)))}",
@@ -525,6 +581,7 @@ def reference_session(proto: onnx.ModelProto, layout: str = "nchw"):
                             "check the model's input (models.<m>.input_shape, layout) against the file") from None
         return [np.concatenate([p[k] for p in parts]) for k in range(len(names))]
 
+    run.note = note
     return run, names
 
 
@@ -535,10 +592,11 @@ def prepare(proto: onnx.ModelProto, mcfg, source: str) -> tuple[onnx.ModelProto,
     m, layout = channels_first(m, mcfg.layout)
     m, bn = fold_batchnorm(m)
     m, batch = dynamic_batch(m)
+    m, spatial = open_axes(m, mcfg.dynamic.get("input", ()))
     m = infer(m, mcfg.name)
     io = check_io(m, mcfg, source, layout="nchw")
     m, renamed = rename_input(m)
-    report = {**checked, **layout, **bn, **batch, **io, **renamed, "source_opset": opset(proto),
+    report = {**checked, **layout, **bn, **batch, **spatial, **io, **renamed, "source_opset": opset(proto),
               "source_ir_version": int(proto.ir_version), "source_producer": proto.producer_name or None}
     return m, report
 

@@ -18,7 +18,7 @@ from conftest import REPO, write_params
 ATTRS = ("name", "task", "feed_names", "feed_range", "outputs", "crop_fed", "onnx_only", "key_metric", "direction",
          "accuracy_label", "metrics", "limits_section", "checks", "fixed_limits")
 METHODS = ("deps", "params", "manifest_inputs", "stream", "feeds", "random_feed", "golden", "check_outputs",
-           "output_axes", "detect", "measure", "gate", "gate_checks", "gate_inputs", "gate_code")
+           "check_graph", "output_axes", "detect", "measure", "gate", "gate_checks", "gate_inputs", "gate_code")
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +161,7 @@ def test_photo_feeds_are_one_per_photo_and_variant(byo, scratch):
     assert len(golden) == 2 and len(calib) == 8 and samples.sample_count(calib) == 8
     assert all(list(f) == list(r.feed_names) and f["input"].shape == (1, 3, 40, 30) for f in golden)
     assert samples.digest(golden) == samples.digest(calib[::4])
+    # a declared head's feeds: its own channels and mean, padded to its multiple (YuNet: 32)
+    yunet = samples.feeds(byo, "yunet", "golden", scratch)
+    assert len(yunet) == 2 and all(f["input"].shape == (1, 3, 64, 32) for f in yunet)
+    assert (yunet[0]["input"][0, :, 40:] == 0).all() and (yunet[0]["input"][0, :, :40, :30] == 60).all()

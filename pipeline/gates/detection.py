@@ -1,5 +1,6 @@
 """Detector gate metrics: an engine's faces against the reference's — MTCNN nets swapped into the PyTorch cascade,
-a single-shot RetinaFace decoded beside its ORT reference — and face / non-face decisions on skimage's lfw_subset."""
+a single-shot detector (RetinaFace, or any declared head) decoded beside its ORT reference — and face / non-face
+decisions on skimage's lfw_subset."""
 
 from __future__ import annotations
 
@@ -108,6 +109,39 @@ def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
     run_ref, _ = onnx_import.reference_session(onnx_import.load_source(mcfg, root), mcfg.layout)
     p_ref = run_ref({"input": x})[1][:, :, 1].max(1) > dcfg.score_threshold
     p_got = np.asarray(list(runner.run_all({"input": x}))[1])[:, :, 1].max(1) > dcfg.score_threshold
+    return {"reference_faces": faces, "photos_with_other_face_count": count_diff,
+            "box_iou_min": float(min(ious, default=0.0)), "landmark_err_max": float(max(errs, default=1.0)),
+            "score_delta_max": float(max(score_d, default=1.0)), "face_agreement": float((p_ref == p_got).mean()),
+            "lfw_faces_found": int(p_got[:100].sum()), "lfw_nonfaces_accepted": int(p_got[100:].sum())}
+
+
+def singleshot_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
+    """A declared single-shot detector (kiln_runtime/singleshot.py): as `retinaface_metrics`, its outputs read by
+    name (golden@'s reference names, the engine runner's `output_names`); lfw crops at LFW_RETINAFACE px, decided by
+    the best prior's score against the declared threshold."""
+    from pipeline import onnx_import
+    from pipeline.gates.reference import load_reference
+    from pipeline.roles.singleshot import runtime_decode
+    from kiln_runtime import singleshot
+
+    mcfg = cfg.model(model)
+    d = runtime_decode(mcfg)
+    names, reference = load_reference(paths.golden(model, root))
+    got_names = list(getattr(runner, "output_names", None) or names)
+    ious, errs, score_d, count_diff, faces = [], [], [], 0, 0
+    for feed, ref in zip(samples.feeds(cfg, model, "golden", root), reference):
+        h, w = feed["input"].shape[2:]
+        f_ref = singleshot.decode(dict(zip(names, ref)), h, w, d)
+        f_got = singleshot.decode(dict(zip(got_names, runner.run_all(feed))), h, w, d)
+        count_diff += len(f_ref) != len(f_got)
+        faces += len(f_ref)
+        _match(f_ref, f_got, ious, errs, score_d)
+    x, _ = lfw_crops(LFW_RETINAFACE, lambda rgb: singleshot.preprocess(rgb, d)[0])
+    run_ref, ref_names = onnx_import.reference_session(onnx_import.load_source(mcfg, root), mcfg.layout,
+                                                       mcfg.dynamic.get("input", ()))
+    p_ref = singleshot.scores(dict(zip(ref_names, run_ref({"input": x}))), d).max(1) > d.score_threshold
+    p_got = np.concatenate([singleshot.scores(dict(zip(got_names, runner.run_all({"input": x[i:i + 1]}))), d)
+                            for i in range(len(x))]).max(1) > d.score_threshold
     return {"reference_faces": faces, "photos_with_other_face_count": count_diff,
             "box_iou_min": float(min(ious, default=0.0)), "landmark_err_max": float(max(errs, default=1.0)),
             "score_delta_max": float(max(score_d, default=1.0)), "face_agreement": float((p_ref == p_got).mean()),

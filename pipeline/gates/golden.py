@@ -42,18 +42,20 @@ def output_names(model: torch.nn.Module) -> list[str]:
     return list(getattr(model, "output_names", ["output"]))
 
 
-def onnx_reference(mcfg, feeds: Sequence[samples.Feed], root: Path) -> tuple[list[list[np.ndarray]], list[str]]:
-    """ONNX Runtime on the original (pinned, checked) file: outputs per feed and the output names. The file's I/O
-    is checked first, as import@ checks it: a wrong input shape or layout, or a Loop, is one clear error."""
+def onnx_reference(mcfg, feeds: Sequence[samples.Feed], root: Path) -> tuple[list[list[np.ndarray]], list[str],
+                                                                             str | None]:
+    """ONNX Runtime on the original (pinned, checked) file: outputs per feed, the output names, and what the
+    reference had to do to run it (None: the file as it is). The file's I/O is checked first, as import@ checks it:
+    a wrong input shape or layout, or a Loop, is one clear error."""
     from pipeline import onnx_import
 
     proto = onnx_import.load_source(mcfg, root)
     onnx_import.check_source(proto, mcfg, mcfg.onnx.path)
-    run_feed, names = onnx_import.reference_session(proto, mcfg.layout)
+    run_feed, names = onnx_import.reference_session(proto, mcfg.layout, mcfg.dynamic.get("input", ()))
     outs = []
     for i, feed in enumerate(feeds):
         outs.append(run_feed(feed))
         if not all(np.isfinite(o).all() for o in outs[-1]):
             raise KilnError(f"{mcfg.onnx.path}: the model produced NaN or infinite outputs on golden feed {i}",
                             f"check the file and models.{mcfg.name}.preprocess (input scaling)")
-    return outs, names
+    return outs, names, run_feed.note

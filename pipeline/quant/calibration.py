@@ -79,7 +79,14 @@ def preprocess(src: Path, dest: Path) -> str:
     handler = _Catch()
     log.addHandler(handler)
     try:
-        quant_pre_process(str(src), str(dest))
+        try:
+            quant_pre_process(str(src), str(dest))
+        except Exception as e:  # noqa: BLE001
+            # ORT's symbolic shape inference gives up on some graphs with symbolic spatial dims (YuNet's FPN
+            # Resize); ONNX's own shape inference is then the one used, as quant_pre_process allows
+            if "Incomplete symbolic shape inference" not in str(e):
+                raise
+            quant_pre_process(str(src), str(dest), skip_symbolic_shape=True)
     except Exception as e:  # noqa: BLE001 — any failure of the third-party pre-processor is a user-facing error
         raise KilnError(f"{src}: quantization pre-processing failed: {e.__class__.__name__}: {e}".splitlines()[0],
                         "check the export (kiln verify) and the ONNX Runtime install") from None

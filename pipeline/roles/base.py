@@ -9,6 +9,7 @@
     random_feed(shape, batch, seed)   a synthetic feed in the inputs' real value range (bench@, cold start)
     golden(cfg, model, outs, root) → (arrays, summary)   what golden@ writes beside the reference outputs
     check_outputs(ranks) → problem or None   the outputs an ONNX original must have (golden@, import@)
+    check_graph(mcfg, outs, source)   the outputs by name against what params declare (a declared decode)
     output_axes() → {axis: name}   the dynamic axes of every exported output (export@)
     detect(rgb, run, mcfg) → faces   a single-shot detector's decode (task `detect`; the face system runs it)
     crop_fed            a face system feeds it a batch of crops per call (the leaderboard ranks it at that batch)
@@ -123,6 +124,9 @@ class Role:
                 any(r != o.rank for r in (ranks if o.count else ranks[:1])):
             return o.what
         return None
+
+    def check_graph(self, mcfg, outs: dict[str, list], source: str) -> None:
+        """Raise one KilnError if the graph's outputs (name → dims) do not fit what params declare of it."""
 
     def output_axes(self) -> dict[int, str]:
         return {0: "batch"}

@@ -21,6 +21,7 @@ class Entry:
     attr: str             # the role object in it
     task: str             # its `task` (embed | detect | cascade | align), for params checks
     onnx_only: bool = False   # its `onnx_only`: the model must come from an ONNX file
+    declared_decode: bool = False   # a single-shot detector whose head params.yaml declares (models.<m>.decode)
 
 
 # In the order params errors list them.
@@ -31,6 +32,7 @@ ROLES: dict[str, Entry] = {
     "onet": Entry("pipeline.roles.mtcnn", "ONET", "cascade"),
     "aligner": Entry("pipeline.roles.aligner", "ALIGNER", "align"),
     "retinaface": Entry("pipeline.roles.retinaface", "RETINAFACE", "detect", onnx_only=True),
+    "singleshot": Entry("pipeline.roles.singleshot", "SINGLESHOT", "detect", onnx_only=True, declared_decode=True),
 }
 
 

@@ -43,13 +43,15 @@ def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
     mcfg = cfg.model(model_name)
     feeds = samples.feeds(cfg, model_name, "golden", root)
     if mcfg.onnx is not None:
-        outs, names = onnx_reference(mcfg, feeds, root)
+        outs, names, note = onnx_reference(mcfg, feeds, root)
     else:
+        note = None
         model = models.build(mcfg, root)
         outs = reference_outputs(model, feeds)
         names = output_names(model)
     summary = {"feeds": len(feeds), "samples": samples.sample_count(feeds), "feeds_xxh3_128": samples.digest(feeds),
-               "outputs": {n: list(outs[0][k].shape[1:]) for k, n in enumerate(names)}}
+               "outputs": {n: list(outs[0][k].shape[1:]) for k, n in enumerate(names)},
+               **({"reference_note": note} if note else {})}
     out = paths.golden(model_name, root)
     with atomic_dir(out) as d:
         files = []

@@ -21,12 +21,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kiln_runtime import align, mtcnn, retinaface
+from kiln_runtime import align, mtcnn, retinaface, singleshot
 from kiln_runtime.errors import GateFailed
 
 MTCNN = "mtcnn"
 NETS = ("pnet", "rnet", "onet")                                  # the MTCNN cascade's models, in order
-SINGLE_SHOT = {"retinaface": (retinaface.DecodeConfig, retinaface.detect)}   # kind → (settings, detect)
+SINGLE_SHOT = {"retinaface": (retinaface.DecodeConfig, retinaface.detect),     # kind → (settings, detect)
+               "singleshot": (singleshot.Decode, singleshot.detect)}
+BY_NAME = ("singleshot",)           # detectors that read their graph's outputs by name (a runner's output_names)
 STAGES = (*NETS, "detect_glue", "align", "embed", "match")
 
 
@@ -97,7 +99,13 @@ class Spec:
             known = {f.name for f in fields(settings_type)}
             if unknown := sorted(set(det) - known):
                 raise fail(f"detector setting {str(unknown[0])[:40]!r} is not one this runtime's {kind} has")
-            settings = settings_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in det.items()})
+            if hasattr(settings_type, "from_doc"):
+                try:
+                    settings = settings_type.from_doc(det)
+                except singleshot.DecodeError as e:
+                    raise fail(f"its {kind} decode: {e}") from None
+            else:
+                settings = settings_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in det.items()})
             metric, threshold = thr.pop("metric"), float(thr.pop("verify_threshold"))
             if metric not in ("l2", "cosine") or thr:
                 raise fail(f"thresholds: metric {str(metric)[:20]!r}" + (f", unknown {sorted(thr)[0]!r}" if thr else ""))
@@ -248,7 +256,7 @@ class System:
         missing = [m for m in spec.graphs if m not in runners]
         if missing:
             raise GateFailed(f"system {name}: no engine for {', '.join(missing)}", "release the whole system again")
-        nets = tuple((lambda r: (lambda x: tuple(r.run_all({"input": x}))))(runners[m]) for m in spec.detector_graphs)
+        nets = tuple(net_of(runners[m], spec.detector in BY_NAME) for m in spec.detector_graphs)
         warp = None
         if spec.aligner:
             warp = (lambda r: (lambda image, theta: r.run_all({"image": image, "theta": theta})[0]))(runners["aligner"])
@@ -258,6 +266,18 @@ class System:
         made.threads_used = {m: getattr(r, "threads", None) for m, r in runners.items()}
         made._runners = runners              # kept alive: each holds its verified private copy
         return made
+
+
+def net_of(runner, by_name: bool = False) -> Callable:
+    """A detector graph as the detector calls it: numpy input → its outputs, a tuple in the graph's order or, for a
+    declared decode (`by_name`), a dict by output name (the runner's `output_names`)."""
+    if not by_name:
+        return lambda x: tuple(runner.run_all({"input": x}))
+    names = getattr(runner, "output_names", None)
+    if not names:
+        raise GateFailed(f"{type(runner).__name__} does not name its outputs, which a declared decode reads by name",
+                         "run the detector on ort-cpu or openvino-cpu")
+    return lambda x: dict(zip(names, runner.run_all({"input": x})))
 
 
 def _same_width(embed: Callable, dim: int, what: str) -> Callable:

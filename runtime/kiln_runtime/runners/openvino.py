@@ -32,9 +32,17 @@ class OvRunner:
             props = {**props, "INFERENCE_NUM_THREADS": threads, "ENABLE_CPU_PINNING": False}
         self.threads = props.get("INFERENCE_NUM_THREADS", 0)        # 0: the plugin's default
         core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(str(engine_dir / XML)), "CPU", props)
+        model = core.read_model(str(engine_dir / XML))
+        self.compiled = core.compile_model(model, "CPU", props)
         self.request = self.compiled.create_infer_request()
         self.input_names = [i.get_any_name() for i in self.compiled.inputs]
+        # run_all's order, each output by the name the IR gives it: the compiled output also carries the names of
+        # the tensors the plugin fused into it ('291' beside YuNet's 'cls_8'), and get_any_name may pick one of those
+        ir_names = {n for o in model.outputs for n in o.get_names()}
+        self.output_names = []
+        for o in self.compiled.outputs:
+            own = sorted(set(o.get_names()) & ir_names)
+            self.output_names.append(own[0] if own else o.get_any_name())
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self.run_all({self.input_names[0]: batch})[0]

@@ -45,6 +45,7 @@ class OrtRunner:
                                             ort_session_options(self.threads, session.get("spin", False)),
                                             providers=["CPUExecutionProvider"])
         self.input_name = self.session.get_inputs()[0].name
+        self.output_names = [o.name for o in self.session.get_outputs()]    # run_all's order
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self.session.run(None, {self.input_name: np.ascontiguousarray(batch, np.float32)})[0]
