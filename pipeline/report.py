@@ -7,8 +7,9 @@ Two scopes, one renderer:
   (the registry's per-host-class bench rows of each engine's version, plus this workspace's bench: per host class
   the winner, by how much, and which INT8 engines are not faster there), an accuracy-vs-latency plot per model,
   each gallery's recall/latency curve, each face system under sustained load (pipeline/report_systems.py: the
-  sweep, the stage split as a stacked bar, a roofline per system), and the provenance graph of every built engine (walked and verified: a
-  broken node is drawn red);
+  sweep, the stage split as a stacked bar, a roofline per system), the runtimes a user would run instead on the
+  same frames (bench/peers.py's record, when it ran), and the provenance graph of every built engine (walked and
+  verified: a broken node is drawn red);
 * a release (`kiln release` puts `report.html` in the signed tree): the same page built from the release's own
   files only (its registered bench, verdict, manifest and chain), so it is as deterministic as the archive.
 """
@@ -43,6 +44,7 @@ class Report:
     matrix: list[dict[str, Any]] = field(default_factory=list)   # one cell per (engine, host class): host_matrix
     systems: dict[str, dict[str, Any]] | None = None   # system → its sysbench@ + bottleneck (None: not in scope)
     production: list[dict[str, Any]] = field(default_factory=list)   # each face system's production version
+    peers: dict[str, Any] | None = None              # bench/peers.py's record (artifacts/reports/peers.json)
 
 
 # ---------------------------------------------------------------------------------------------- collecting
@@ -79,7 +81,8 @@ def for_workspace(cfg, root: Path = Path(".")) -> Report:
     notes.append(where)
     return Report("Kiln build report", f"workspace {root.resolve().name}: {len(rows)} engines, "
                   f"{len(curves)} galleries", rows, curves, manifests, broken, notes, matrix,
-                  report_systems.collect(cfg, root), production_systems(cfg, root))
+                  report_systems.collect(cfg, root), production_systems(cfg, root),
+                  _read(paths.reports(root) / "peers.json"))
 
 
 def _registry_here(cfg, root: Path) -> bool:
@@ -475,6 +478,7 @@ def render(r: Report) -> str:
     parts.append("</div>")
     if r.systems is not None:
         parts += report_systems.section(r.systems)
+        parts += report_systems.peers_section(r.peers)
     if r.production:
         parts.append('<h2 id="production">In production (the registry)</h2><p class="sub">Each face system\'s '
                      "production version as its registered run recorded it: what a release of it ships.</p>"

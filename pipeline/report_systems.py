@@ -181,3 +181,28 @@ def section(systems: dict[str, dict]) -> list[str]:
     parts += [roofline_plot(name, s["bottleneck"]) for name, s in systems.items()]
     parts.append("</div>")
     return parts
+
+
+def peers_section(peers: dict | None) -> list[str]:
+    """bench/peers.py's record: the runtimes a user would run instead, on the same frames, beside Kiln's systems."""
+    parts = ['<h2 id="peers">Against what a user runs instead</h2><p class="sub">bench/peers.py: OpenCV\'s own '
+             "FaceDetectorYN + FaceRecognizerSF on the same YuNet and SFace files, and dlib's own pipeline as "
+             "face_recognition runs it on the same ResNet weights, beside Kiln's systems on the sysbench@ frames and a "
+             "portrait, one frame at a time; ms per frame is the p50 of interleaved rounds. Agreement: frames on "
+             "which the peer names the same identities as the Kiln system running the same weights.</p>"]
+    if not peers:
+        return [*parts, '<p class="empty">no peers record in this workspace (run .venv/bin/python bench/peers.py)</p>']
+    parts.append(f'<p class="sub">host class {_e(peers.get("host_class"))}; {_e(peers.get("rounds"))} rounds; '
+                 + _e("; ".join(f"{n}: threads {p.get('threads')}" for n, p in peers.get("peers", {}).items()))
+                 + "</p>")
+    for set_name, st in peers.get("sets", {}).items():
+        parts.append(f"<h3>{_e(set_name)}: {_e(st.get('frames'))} frame(s)</h3>")
+        parts.append('<table class="engines peers"><tr>' + "".join(f"<th>{_e(h)}</th>" for h in (
+            "runner", "ms/frame p50", "faces", "peer ms ÷ Kiln ms", "agreement with Kiln")) + "</tr>")
+        for name, r in st.get("rows", {}).items():
+            cells = [name, r.get("ms_per_frame_p50"), r.get("faces"),
+                     ", ".join(f"{k}: {v:.2f}×" for k, v in r.get("vs_peer", {}).items()) or "—",
+                     ", ".join(f"{k}: {v}" for k, v in r.get("agreement", {}).items()) or "—"]
+            parts.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>")
+        parts.append("</table>")
+    return parts

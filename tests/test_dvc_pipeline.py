@@ -291,6 +291,17 @@ def test_an_auditor_traces_and_verifies_the_released_int8_engine(repo, tmp_path)
 
 @pytest.mark.slow
 def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo):
+    # the peers first (bench/peers.py: OpenCV's and dlib's own pipelines on the same frames and weights); one round
+    p = subprocess.run([sys.executable, "bench/peers.py", "--rounds", "1"], cwd=repo, env=dag_env(repo),
+                       capture_output=True, text=True, encoding="utf-8", errors="replace")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    peers = json.loads((repo / "artifacts/reports/peers.json").read_text())
+    frames = peers["sets"]["sysbench frames"]
+    dlib = next(n for n in frames["rows"] if n.startswith("dlib"))
+    # dlib's own pipeline beside every Kiln system on its embedder's weights, timed and compared frame by frame
+    # (the OpenCV peer needs the yunet-sface profile: tests/test_singleshot.py checks its identities)
+    assert set(frames["rows"][dlib]["agreement"]) == {"dlib-mtcnn", "dlib-mtcnn-openvino", "dlib-yunet-openvino"}
+    assert all(s in frames["rows"] and frames["rows"][s]["ms_per_frame_p50"] > 0 for s in peers["systems"])
     r = kiln(repo, "report")
     assert r.returncode == 0, r.stdout + r.stderr
     engines = yaml.safe_load((repo / "params.yaml").read_text())["engines"]
@@ -310,6 +321,8 @@ def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo)
     assert all(f"<h3>{m}</h3>" in dom for m in models) and "gallery-10000: recall@1 vs latency" in dom
     assert dom.count('class="node"') >= len(engines) + 10 and "#ffcecb" not in dom     # nothing drawn broken
     assert 'class="l v-pass"' in dom
+    peers_table = dom[dom.index('id="peers"'):]
+    assert '<table class="engines peers">' in peers_table and dlib in peers_table
 
 
 def test_plan_counts_changed_params_and_code_but_not_files_a_checkout_has_not_pulled():

@@ -32,6 +32,8 @@ Methods — `calibrate.candidates`, every one computed from the same two passes:
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from itertools import chain
@@ -78,15 +80,23 @@ def preprocess(src: Path, dest: Path) -> str:
     log = logging.getLogger("onnxruntime.quantization.shape_inference")
     handler = _Catch()
     log.addHandler(handler)
+    src, dest = Path(src).absolute(), Path(dest).absolute()
+    here = os.getcwd()
     try:
-        try:
-            quant_pre_process(str(src), str(dest))
-        except Exception as e:  # noqa: BLE001
-            # ORT's symbolic shape inference gives up on some graphs with symbolic spatial dims (YuNet's FPN
-            # Resize); ONNX's own shape inference is then the one used, as quant_pre_process allows
-            if "Incomplete symbolic shape inference" not in str(e):
-                raise
-            quant_pre_process(str(src), str(dest), skip_symbolic_shape=True)
+        # in a scratch working directory: when ORT's symbolic shape inference gives up it saves its partial model
+        # (sym_shape_infer_temp.onnx and external-data files) into the current directory
+        with tempfile.TemporaryDirectory(prefix="kiln-preprocess-") as scratch:
+            os.chdir(scratch)
+            try:
+                quant_pre_process(str(src), str(dest))
+            except Exception as e:  # noqa: BLE001
+                # it gives up on some graphs with symbolic spatial dims (YuNet's FPN Resize); ONNX's own shape
+                # inference is then the one used, as quant_pre_process allows
+                if "Incomplete symbolic shape inference" not in str(e):
+                    raise
+                quant_pre_process(str(src), str(dest), skip_symbolic_shape=True)
+            finally:
+                os.chdir(here)
     except Exception as e:  # noqa: BLE001 — any failure of the third-party pre-processor is a user-facing error
         raise KilnError(f"{src}: quantization pre-processing failed: {e.__class__.__name__}: {e}".splitlines()[0],
                         "check the export (kiln verify) and the ONNX Runtime install") from None
