@@ -26,7 +26,7 @@ import numpy as np
 
 from pipeline import engines, paths, samples
 from pipeline.dvcfiles import address
-from pipeline.config import MTCNN, Config
+from pipeline.config import MTCNN, Config, Decode
 from pipeline.data import load_set
 from pipeline.errors import KilnError
 from kiln_runtime import system as run
@@ -55,9 +55,10 @@ def described(cfg: Config, system: str, aligner: bool) -> dict:
 
         detector = {"kind": cfg.model(spec.detector).samples, "model": spec.detector,
                     **runtime_decode(cfg.model(spec.detector), spec.detect_size).doc()}
-    else:
-        dcfg = cfg.model(spec.detector)
-        detector = {"kind": dcfg.samples, "model": spec.detector, **asdict(dcfg.decode)}
+    else:                                                           # RetinaFace: its own decode, thresholds only
+        d = cfg.model(spec.detector).decode or Decode()
+        detector = {"kind": cfg.model(spec.detector).samples, "model": spec.detector,
+                    "score_threshold": d.score_threshold, "nms_threshold": d.nms_threshold}
     pre = emb.preprocess
     return {
         "detector": detector, "embedder": spec.embedder,

@@ -209,7 +209,7 @@ def test_a_model_added_by_params_alone_gets_its_own_stages(tmp_path):
     files = dag.render(cfg)
     stages = {f: yaml.safe_load(t)["stages"] for f, t in files.items()}
     imp = stages["dag/import/dvc.yaml"]["import"]
-    assert sorted(imp["foreach"]) == ["retinaface", "sface"]
+    assert sorted(imp["foreach"]) == ["retinaface", "sface", "yunet"]
     assert "sface" not in stages["dag/export/dvc.yaml"]["export"]["foreach"]     # import@, not export@
     assert {"golden-sface", "calibration-sface"} <= set(stages["dag/dataset/dvc.yaml"]["dataset"]["foreach"])
     assert {"sface-ort-cpu-fp32", "sface-openvino-cpu-fp32"} <= set(stages["dag/compile/dvc.yaml"]["compile"]["foreach"])

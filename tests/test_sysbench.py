@@ -94,7 +94,7 @@ def test_shares_and_amdahl_headroom_add_up():
 
 def test_the_plan_fits_the_machine_and_bounds_the_sweep(tmp_path, monkeypatch):
     """On an 8-core machine: a worker per core with one thread each, or the cores shared among the workers params
-    ask for; the sweep's time bound by hand for params.yaml's sweep (5 points × (1 s warm-up + 5 s + 2 s drain))."""
+    ask for; the sweep's time bound by hand for params.yaml's sweep (7 points × (1 s warm-up + 5 s + 2 s drain))."""
     monkeypatch.setattr(load, "cores", lambda: 8)
     plans = {}
     for w in (0, 2, 3, 16):
@@ -102,7 +102,7 @@ def test_the_plan_fits_the_machine_and_bounds_the_sweep(tmp_path, monkeypatch):
         params = write_params(tmp_path / str(w), lambda raw: raw["sysbench"].update(workers=w))
         plans[w] = load.plan(config.load(params))
     assert {w: (p.workers, p.threads) for w, p in plans.items()} == {0: (8, 1), 2: (2, 4), 3: (3, 2), 16: (16, 1)}
-    assert plans[0].streams == (1, 2, 4, 6, 8) and plans[0].bound_s == 40.0
+    assert plans[0].streams == (1, 2, 4, 6, 8, 12, 16) and plans[0].bound_s == 56.0
 
 
 def test_stream_counts_must_ascend(tmp_path):

@@ -4,7 +4,6 @@ decisions on skimage's lfw_subset."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +94,9 @@ def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
     from pipeline.gates.reference import load_reference
 
     mcfg = cfg.model(model)          # config.py: a retinaface model has an ONNX source (its reference is ORT)
-    dcfg = retinaface.DecodeConfig(**asdict(mcfg.decode)) if mcfg.decode else retinaface.DecodeConfig()
+    d = mcfg.decode           # RetinaFace's own decode: its thresholds only
+    dcfg = retinaface.DecodeConfig() if d is None else \
+        retinaface.DecodeConfig(score_threshold=d.score_threshold, nms_threshold=d.nms_threshold)
     _, reference = load_reference(paths.golden(model, root))
     ious, errs, score_d, count_diff, faces = [], [], [], 0, 0
     for feed, ref in zip(samples.feeds(cfg, model, "golden", root), reference):
