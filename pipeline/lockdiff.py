@@ -92,7 +92,10 @@ def classify(name: str, built: dict, committed: dict | None, other_isa: bool = F
     outs = sorted(o["path"] for o in built.get("outs", []) if o not in committed.get("outs", []))
     if other_isa and name.split("@")[0] not in portable:
         return "host kernels", f"not portable: computed on this CPU's float kernels ({', '.join(outs) or 'outputs'})"
-    return "different", f"same inputs, other outputs: {', '.join(outs) or 'its outputs'}"
+    if not outs:         # equal inputs and outputs, the entries still differ: its form (a dependency listed twice)
+        return "different", (f"same inputs and outputs, another form of entry (a dependency listed twice?): "
+                              f"re-record it, dvc repro -f -s {name}")
+    return "different", f"same inputs, other outputs: {', '.join(outs)}"
 
 
 def classify_all(built: dict[str, dict], committed: dict[str, dict],

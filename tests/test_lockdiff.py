@@ -29,6 +29,10 @@ def test_each_class_from_hand_made_entries():
     assert classify("validate@e", entry(cmd="python -m other"), base)[0] == "follows its inputs"
     assert classify("compile@e", entry(out="o2"), base) == \
         ("different", "same inputs, other outputs: artifacts/engines/e")
+    twice = entry()
+    twice["deps"].insert(0, dict(twice["deps"][0]))       # a stale entry: a dependency listed twice, same values
+    assert classify("import@e", twice, base) == ("different", "same inputs and outputs, another form of entry (a "
+                                                 "dependency listed twice?): re-record it, dvc repro -f -s import@e")
     assert classify("bench@embedder", entry(out="o2"), base) == ("not reproducible", "timings of one run")
     assert classify("compile@new", entry(), None)[0] == "not in the committed lock"
 
