@@ -150,6 +150,54 @@ def test_canonicalize_gives_one_byte_order_for_any_node_order(fp32_engine):
         assert canonicalize(shuffled).SerializeToString() == reference
 
 
+def test_ort_prelu_decomposition_is_the_same_values_and_compiles_without_prelu(tmp_path):
+    """ort-cpu's `prelu: decompose` rewrites PRelu (slopes below 0, in [0, 1] and above 1; a shared and a per-channel
+    slope) as Relu + slope·Min(x, 0): bit-identical outputs, the output names kept, no PRelu in the engine; `keep`
+    compiles the graph as exported."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from pipeline.targets.base import CompileOptions
+    from pipeline.targets.ort_cpu import OrtCpu, decompose_prelu
+
+    rng = np.random.default_rng(7)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    per_channel = numpy_helper.from_array(np.array([-0.8, 0.0, 0.25, 1.7], np.float32).reshape(4, 1, 1), "a")
+    shared = numpy_helper.from_array(np.array([0.1], np.float32), "b")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("PRelu", ["c", "a"], ["p"]),
+         helper.make_node("PRelu", ["p", "b"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])], [w, per_channel, shared])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    source = tmp_path / "prelu.onnx"
+    onnx.save(model, str(source))
+    x = {"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32) * 4}
+
+    def run(m) -> np.ndarray:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, x)[0]
+
+    rewritten = onnx.load(str(source))
+    assert decompose_prelu(rewritten) == 2
+    onnx.checker.check_model(rewritten)
+    assert [o.name for o in rewritten.graph.output] == ["y"] and "PRelu" not in {n.op_type for n in rewritten.graph.node}
+    assert np.array_equal(run(rewritten), run(model))
+
+    target = OrtCpu()
+    for mode, has_prelu in (("decompose", False), ("keep", True)):
+        out, work = tmp_path / mode, tmp_path / f"{mode}-work"
+        out.mkdir(), work.mkdir()
+        target.compile(source, CompileOptions("fp32", target.parse_options({"prelu": mode, "threads": 1})), out, work)
+        engine = onnx.load(str(out / "model.onnx"))
+        assert ("PRelu" in {n.op_type for n in engine.graph.node}) is has_prelu
+        np.testing.assert_allclose(target.load(out, 1).run(x["x"]), run(model), rtol=0, atol=1e-5)
+    with pytest.raises(KilnError, match="prelu"):
+        target.parse_options({"prelu": "fuse"})
+
+
 def test_the_int8_bench_gate_on_injected_latencies(cfg):
     """The bench gate itself, on known latencies (the real bench only reports on a noisy machine)."""
     from pipeline.gates import timing
