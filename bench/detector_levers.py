@@ -51,7 +51,7 @@ def pyramid_inputs(rgb: np.ndarray, det: mtcnn.DetectorConfig) -> tuple[list, di
     sizes = [(int(h * sc + 1), int(w * sc + 1)) for sc in mtcnn.pyramid_scales(h, w, det)]
 
     def exact():
-        return list(mtcnn._area_levels(mtcnn._integral(rgb), sizes))
+        return list(mtcnn.area_levels(mtcnn.integral_image(rgb), sizes))
 
     def net_input(level_hwc: np.ndarray) -> np.ndarray:
         x = np.empty((1, 3, *level_hwc.shape[:2]), np.float32)
@@ -127,20 +127,20 @@ def main() -> int:
 
     print("\n3. R-/O-Net: one call on the crops of 4 frames vs 4 calls (one-face scenario's crop counts)")
     crops = {}
-    orig = mtcnn._area_crops
+    orig = mtcnn.area_crops
 
     def capture(s, y0, y1, x0, x1, size):
         out = orig(s, y0, y1, x0, x1, size)
         crops[size] = out
         return out
 
-    mtcnn._area_crops = capture
+    mtcnn.area_crops = capture
     try:
         fp32 = {n: engines.load("ort-cpu", paths.engine(f"{n}-ort-cpu-fp32"), f"{n}-ort-cpu-fp32")
                 for n in ("pnet", "rnet", "onet")}
         mtcnn.detect(scen["one face"], *(lambda x, r=r: tuple(r.run_all({"input": x})) for r in fp32.values()), det)
     finally:
-        mtcnn._area_crops = orig
+        mtcnn.area_crops = orig
     rows = []
     for net, size in (("rnet", 24), ("onet", 48)):
         one = crops[size]

@@ -14,6 +14,7 @@ import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -23,8 +24,11 @@ from pipeline.data import list_photos, load_rgb
 from pipeline.config import MTCNN
 from pipeline.e2e import NETS, STAGES, System
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def scenarios(cfg) -> dict[str, np.ndarray]:
+
+def scenarios(cfg: Config) -> dict[str, np.ndarray]:
     photos = {p.path.stem: load_rgb(p.path) for p in list_photos(cfg.data.photos)}
     one = photos["person_b_1"]
     h, w = one.shape[:2]

@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from pipeline.errors import KilnError
 from kiln_runtime import frames as frame_source
 from kiln_runtime.host import host_class
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
 
 # ---------------------------------------------------------------------------------------------- peers
 class OpenCVYuNetSFace:
@@ -46,7 +49,7 @@ class OpenCVYuNetSFace:
 
     weights = ("yunet", "sface")
 
-    def __init__(self, cfg, threads: int, root: Path = Path(".")):
+    def __init__(self, cfg: Config, threads: int, root: Path = Path(".")):
         import tempfile
 
         import cv2
@@ -93,7 +96,7 @@ class DlibFaceRecognition:
 
     weights = ("embedder",)
 
-    def __init__(self, cfg, threads: int, root: Path = Path(".")):
+    def __init__(self, cfg: Config, threads: int, root: Path = Path(".")):
         import dlib
 
         from pipeline.assets import DLIB_DAT, DLIB_SHAPE5
@@ -136,7 +139,7 @@ def enrol(peer, photos) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- Kiln's systems
-def kiln_systems(cfg, wanted: list[str] | None):
+def kiln_systems(cfg: Config, wanted: list[str] | None):
     from pipeline.e2e import System, resolve
 
     out = []
@@ -151,7 +154,7 @@ def kiln_systems(cfg, wanted: list[str] | None):
     return out
 
 
-def weights_of(cfg, system: str) -> set[str]:
+def weights_of(cfg: Config, system: str) -> set[str]:
     spec = cfg.system(system)
     return {spec.detector, spec.embedder}
 

@@ -71,10 +71,10 @@ def _direct(path: Path, mtime_ns: int) -> tuple[frozenset[str], frozenset[str]]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            names = _from(node.module, node.names)
         elif isinstance(node, ast.ImportFrom) and node.level and package and node.level <= len(package):
-            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
+            names = _from(".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else [])),
+                          node.names)
         for n in names:
             top = n.split(".")[0]
             if package_of(n):
@@ -87,6 +87,13 @@ def _direct(path: Path, mtime_ns: int) -> tuple[frozenset[str], frozenset[str]]:
 
     visit(tree)
     return frozenset(ours), frozenset(theirs)
+
+
+def _from(base: str, aliases: list[ast.alias]) -> list[str]:
+    """What `from base import a, b` imports: each submodule it names (`from pipeline.cli import parser`), and `base`
+    itself when it takes a name defined there. A package's __init__ runs either way; `closure` adds parents."""
+    subs = [f"{base}.{a.name}" for a in aliases]
+    return subs + ([base] if not all(module_file(n) for n in subs) else [])
 
 
 def closure(modules: list[str]) -> tuple[list[str], list[str]]:

@@ -171,6 +171,20 @@ class Decode:
         """A whole head is declared (samples: singleshot), not only thresholds."""
         return self.strides is not None or self.outputs is not None
 
+    def runtime(self, input_size=None):
+        """This declaration as kiln_runtime's singleshot.Decode; `input_size` a system's detect_size."""
+        from kiln_runtime.singleshot import Decode as RuntimeDecode
+
+        return RuntimeDecode(strides=tuple(self.strides),
+                             outputs=tuple((h, tuple(self.outputs[h])) for h in ("class", "objectness", "box",
+                                                                                 "landmarks") if h in self.outputs),
+                             anchor_sizes=tuple(tuple(r) for r in self.anchor_sizes), anchor_offset=self.anchor_offset,
+                             box=self.box, variances=tuple(self.variances), score=self.score,
+                             score_column=self.score_column, channels=self.channels, mean=tuple(self.mean),
+                             std=tuple(self.std), pad_to=self.pad_to,
+                             input_size=tuple(input_size) if input_size else (), score_threshold=self.score_threshold,
+                             nms_threshold=self.nms_threshold, top_k=self.top_k)
+
     @model_validator(mode="after")
     def _head(self):
         if not self.declared:

@@ -19,17 +19,19 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from kiln_runtime.images import MAX_PIXELS, MAX_SIDE, load_rgb  # noqa: F401 — photos decode as a deployment host decodes them
 from pipeline import paths
-from pipeline.config import Augment, DataConfig, SetSpec
 from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
 from pipeline.dvcfiles import address
 from pipeline.models.align import Aligner, align, chip_transform, jitter
+
+if TYPE_CHECKING:
+    from pipeline.config import Augment, DataConfig, SetSpec
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 Landmarker = Callable[[np.ndarray, Path], np.ndarray]   # (rgb HWC uint8, path for messages) → (5, 2) landmarks

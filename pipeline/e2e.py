@@ -51,10 +51,8 @@ def described(cfg: Config, system: str, aligner: bool) -> dict:
     if spec.detector == MTCNN:
         detector = {"kind": MTCNN, **asdict(DetectorConfig(min_face_size=cfg.data.min_face_size))}
     elif cfg.model(spec.detector).samples in BY_NAME:          # a declared head: the whole decode, and the
-        from pipeline.roles.singleshot import runtime_decode        # frame size it detects at (a system's choice)
-
-        detector = {"kind": cfg.model(spec.detector).samples, "model": spec.detector,
-                    **runtime_decode(cfg.model(spec.detector), spec.detect_size).doc()}
+        detector = {"kind": cfg.model(spec.detector).samples,   # frame size it detects at (a system's choice)
+                    "model": spec.detector, **cfg.model(spec.detector).decode.runtime(spec.detect_size).doc()}
     else:                                                           # RetinaFace: its own decode, thresholds only
         d = cfg.model(spec.detector).decode or Decode()
         detector = {"kind": cfg.model(spec.detector).samples, "model": spec.detector,
@@ -176,7 +174,7 @@ class System:
         """The system of engine directories: `dirs` model → the folder holding that engine's files and manifest (a
         build, a registry download, an extracted system release), `picks` model → engine name, `labels` model → how
         `engines` names it (default: the engine name). `cfg` needs only the system's slice (systems, models,
-        engines, data: pipeline/system_release.py). Each engine still loads only after its files verify against its
+        engines, data: pipeline/release/system.py). Each engine still loads only after its files verify against its
         manifest."""
         if missing := [m for m in graphs(cfg, system) if m not in dirs or m not in picks]:
             raise KilnError(f"system {system}: no engine for {', '.join(missing)}", "release the whole system again")
@@ -280,9 +278,10 @@ def _reference(mcfg, root: Path) -> Callable[..., tuple[np.ndarray, ...]]:
     """One model's reference graph as numpy inputs → tuple of numpy outputs."""
     if mcfg.factory is None:
         from pipeline import onnx_import
+        from pipeline.roles import registry as roles
 
         proto = onnx_import.load_source(mcfg, root)
-        onnx_import.check_source(proto, mcfg, mcfg.onnx.path)
+        onnx_import.check_source(proto, mcfg, mcfg.onnx.path, roles.get(mcfg.samples))
         run_feed, names = onnx_import.reference_session(proto, mcfg.layout, mcfg.dynamic.get("input", ()))
         if mcfg.samples in BY_NAME:       # a declared decode reads outputs by name
             return lambda x: dict(zip(names, run_feed({"x0": x})))

@@ -135,7 +135,7 @@ def build_manifest(*, kind: str, name: str, directory: Path, files: list[Path], 
                    precision: str | None = None) -> dict[str, Any]:
     """Assemble a manifest; file paths are stored relative to the manifest's directory, sorted.
 
-    `code` maps each module of the stage's closure to its xxh3-128 (pipeline/dag.py); `params` is the slice of
+    `code` maps each module of the stage's closure to its xxh3-128 (pipeline/dagtools/dag.py); `params` is the slice of
     params.yaml the stage tracks, by dotted key.
     """
     entries = []

@@ -37,7 +37,6 @@ import onnx
 from onnx import external_data_helper, numpy_helper
 
 from pipeline.errors import KilnError
-from pipeline.roles import registry as roles
 from pipeline.userfiles import open_regular
 
 # ops evaluated once at import when every input is a constant (weights): shape/format ops and weight dequantization
@@ -438,9 +437,10 @@ def _loops(g: onnx.GraphProto) -> list[str]:
     return out
 
 
-def check_io(proto: onnx.ModelProto, mcfg, source: str, layout: str | None = None) -> dict:
+def check_io(proto: onnx.ModelProto, mcfg, source: str, role, layout: str | None = None) -> dict:
     """The graph's one input matches models.<m>.input_shape (channels first; channels last when `layout` — by default
-    models.<m>.layout — is nhwc), its outputs the role, and it has no Loop; else one clear error."""
+    models.<m>.layout — is nhwc), its outputs `role` (the model's, pipeline/roles/: the caller's, so this module
+    never loads roles), and it has no Loop; else one clear error."""
     g, name = proto.graph, mcfg.name
     layout = layout or mcfg.layout
     loops = _loops(g)
@@ -466,7 +466,6 @@ def check_io(proto: onnx.ModelProto, mcfg, source: str, layout: str | None = Non
                                                                    if layout == "nhwc" else ""),
                         f"set models.{name}.input_shape (and preprocess.chip_size) to the model's input size")
     outs = {o.name: _dims(o) for o in g.output}
-    role = roles.get(mcfg.samples)
     if what := role.check_outputs([len(d) for d in outs.values()]):   # the outputs its role needs
         raise KilnError(f"{source}: model {name!r} outputs {outs}: {what}",
                         f"import the right outputs, or check models.{name}.samples")
@@ -474,14 +473,14 @@ def check_io(proto: onnx.ModelProto, mcfg, source: str, layout: str | None = Non
     return {"inputs": {g.input[0].name: dims}, "outputs": outs}
 
 
-def check_source(proto: onnx.ModelProto, mcfg, source: str) -> tuple[onnx.ModelProto, dict]:
+def check_source(proto: onnx.ModelProto, mcfg, source: str, role) -> tuple[onnx.ModelProto, dict]:
     """The first half of the import, up to the I/O check of the file's own graph: golden@ runs it before its
     reference runs the model, import@ (`prepare`) goes on from it."""
     m, structural = runnable(proto)
     m, ops = normalize_opset(m, mcfg.name)
     m, folded = fold_weights(m)
     m = infer(m, mcfg.name)
-    check_io(m, mcfg, source)                           # against the file's own shapes, before any change to them
+    check_io(m, mcfg, source, role)                     # against the file's own shapes, before any change to them
     return m, {**structural, **ops, **folded}
 
 
@@ -585,16 +584,16 @@ def reference_session(proto: onnx.ModelProto, layout: str = "nchw", axes=()):
     return run, names
 
 
-def prepare(proto: onnx.ModelProto, mcfg, source: str) -> tuple[onnx.ModelProto, dict]:
+def prepare(proto: onnx.ModelProto, mcfg, source: str, role) -> tuple[onnx.ModelProto, dict]:
     """The whole import: runnable → opset floor → weights folded → I/O checks → NCHW input → dynamic batch →
     shapes → I/O checks."""
-    m, checked = check_source(proto, mcfg, source)
+    m, checked = check_source(proto, mcfg, source, role)
     m, layout = channels_first(m, mcfg.layout)
     m, bn = fold_batchnorm(m)
     m, batch = dynamic_batch(m)
     m, spatial = open_axes(m, mcfg.dynamic.get("input", ()))
     m = infer(m, mcfg.name)
-    io = check_io(m, mcfg, source, layout="nchw")
+    io = check_io(m, mcfg, source, role, layout="nchw")
     m, renamed = rename_input(m)
     report = {**checked, **layout, **bn, **batch, **spatial, **io, **renamed, "source_opset": opset(proto),
               "source_ir_version": int(proto.ir_version), "source_producer": proto.producer_name or None}

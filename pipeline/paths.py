@@ -1,6 +1,6 @@
 """Where each stage's artifacts live, and the one rule for names that become paths (kiln_runtime/names.py).
 
-dvc.yaml is generated from the same functions (pipeline/dag.py), so a stage's declared outs are these paths.
+dvc.yaml is generated from the same functions (pipeline/dagtools/dag.py), so a stage's declared outs are these paths.
 
 Every name that becomes a path component (model, engine, recipe, target, release, gallery size) must be a slug:
 1-64 characters from letters, digits, '-' and '_', starting with a letter or digit. So no name can be empty,

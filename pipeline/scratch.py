@@ -3,7 +3,7 @@
 The scratch root holds a copy of the params file, the toolchain fingerprints the stage tracks and links to each
 of its data deps; the stage's own command runs there with this checkout's code. What it writes stays in the scratch
 root, so the real artifacts are never touched. compile@ uses it to prove an engine reproducible; `kiln
-rebuild-check` (pipeline/rebuild.py) uses it for any stage and classifies what differs.
+rebuild-check` (pipeline/dagtools/rebuild.py) uses it for any stage and classifies what differs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import file_digests, read_manifest
 from pipeline.toolchain import PYTHON_TOOLCHAIN
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 if TYPE_CHECKING:
     from pipeline.stage import Stage
@@ -45,7 +48,7 @@ def emulator(cpu: str) -> list[str]:
     return [qemu, "-cpu", cpu]
 
 
-def rebuild(spec: Stage, cfg, key: str | None, root: Path = Path("."),
+def rebuild(spec: Stage, cfg: Config, key: str | None, root: Path = Path("."),
             args: tuple[str, ...] = (), prefix: tuple[str, ...] | list[str] = ()) -> tempfile.TemporaryDirectory:
     """Run `spec`'s command for `key` in a fresh scratch root (under `prefix`: e.g. an emulator); return it (the
     caller cleans it up)."""

@@ -1,7 +1,7 @@
 """A stage's declaration and its run edge: what every stage module imports.
 
 A stage module (pipeline/stages/*.py) declares one `STAGE = Stage(...)`: the dvc.yaml group it becomes (one stage,
-or `foreach` over keys such as models or engines), its data deps, params and outs. `pipeline/dag.py` renders
+or `foreach` over keys such as models or engines), its data deps, params and outs. `pipeline/dagtools/dag.py` renders
 dvc.yaml from these declarations, and the stage uses the same declaration at run time, so what a manifest records
 (code digests, parameter values) is exactly what DVC tracks:
 
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pipeline import portable
 from pipeline.closure import closure, code_digests, distributions
@@ -32,6 +32,9 @@ from pipeline.dvcfiles import dvcfile
 from pipeline.errors import GateFailed, KilnError, Terminated, exit_quietly, handle_sigterm
 from pipeline.records import write_record
 from pipeline.toolchain import read_fingerprint, versions
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 __all__ = ["Out", "Stage", "Run", "report_errors", "printable_streams", "parser", "running", "main"]
 
@@ -50,7 +53,7 @@ Keys = Callable[[Any], list[str]]
 PerKey = Callable[[Any, "str | None"], list]
 
 
-def _none(cfg, key) -> list:
+def _none(cfg: Config, key) -> list:
     return []
 
 
@@ -78,7 +81,7 @@ class Stage:
     def name(self, key: str | None = None) -> str:
         return self.group if key is None else f"{self.group}@{key}"
 
-    def code(self, cfg, key: str | None) -> list[str]:
+    def code(self, cfg: Config, key: str | None) -> list[str]:
         """Files of the stage's closure: its own module's plus the modules it loads by name."""
         return closure([self.module, *self.dynamic(cfg, key)])[0]
 
@@ -86,7 +89,7 @@ class Stage:
         """Distributions the stage's own module closure imports (a dynamic module's are its target's keys)."""
         return distributions(closure([self.module])[1])
 
-    def param_values(self, cfg, key: str | None) -> dict[str, Any]:
+    def param_values(self, cfg: Config, key: str | None) -> dict[str, Any]:
         out = {}
         for dotted in self.params(cfg, key):
             value: Any = cfg.raw
@@ -98,7 +101,7 @@ class Stage:
             out[dotted] = value
         return out
 
-    def identity(self, cfg, key: str | None, root: Path = Path("."),
+    def identity(self, cfg: Config, key: str | None, root: Path = Path("."),
                  toolchain: dict[str, Any] | None = None) -> dict[str, Any]:
         """The manifest fields that say what ran: code digests, params slice, toolchain (packages + targets)."""
         chain = {**versions(*self.packages()), **(toolchain or {})}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-from kiln_runtime.text import MAX_SHOWN, _HIDDEN, _escape, first_hidden, shown  # noqa: F401  (re-exported)
+from kiln_runtime.text import MAX_SHOWN, first_hidden, shown  # noqa: F401  (re-exported)
 
 MAX_CELL = 500                   # one table cell
 

@@ -2,7 +2,7 @@
 
     python scripts/int8_tradeoff.py [--model embedder] [--recipe ort] [--max-float 6] [--runs 200]
 
-Float sets come from `kiln mixed`'s own search (pipeline/mixed.py, `--rank snr`: the layer-wise report's ranking,
+Float sets come from `kiln mixed`'s own search (pipeline/quant/mixed.py, `--rank snr`: the layer-wise report's ranking,
 nodes added one at a time) run with an unreachable budget, so every prefix of the ranking is judged by the model's
 face-task gate (golden cosine min for the embedder). Each set's QDQ model (the stored calibration, the quantize
 stage's code) is then timed at batch 1 against its FP32 sibling on the same runtime, interleaved run by run:
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from int8_profile import session
 
-    from pipeline import mixed, paths
+    from pipeline import paths
+    from pipeline.quant import mixed
     from pipeline.config import load
     from pipeline.quant.calibration import preprocess
     from pipeline.quant.qdq import load_ranges, quantize_graph

@@ -67,7 +67,8 @@ def profile_cfg(tmp: Path, cfg, profile: str, extra_engines: dict | None = None,
     checked against the target registry: the configuration an opt-in target's tests build with."""
     import yaml
 
-    from pipeline import profiles, targets
+    from pipeline import targets
+    from pipeline.dagtools import profiles
 
     raw = profiles.merged(profiles.merged(cfg.raw, profiles.load(profile, REPO)), overrides or {})
     raw["engines"].update(extra_engines or {})

@@ -149,7 +149,7 @@ def test_the_leaderboard_ranks_each_graph_at_the_batch_a_system_feeds_it(cfg, tm
     """R-Net gets every candidate crop of a photo in one call, so it is ranked at batch 8, where this host's batch-1
     winner (per-call overhead) loses; the embedder, once per face, at batch 1. A failed gate is never marked, however
     fast. Timings are this Zen 5's bench (docs/measurements.md, "Who wins")."""
-    from pipeline import leaderboard
+    from pipeline.report import leaderboard
 
     timed = {"rnet": {"rnet-ort-cpu-fp32": (0.06, 0.48), "rnet-aoti-cpu-fp32": (0.08, 0.27),
                       "rnet-openvino-cpu-fp32": (0.14, 0.23)},

@@ -14,7 +14,8 @@ import pytest
 import torch
 import yaml
 
-from pipeline import config, dag, engines, paths, rebuild, targets
+from pipeline import config, engines, paths, targets
+from pipeline.dagtools import dag, rebuild
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage

@@ -11,7 +11,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import fallbacks, paths
+from pipeline import paths
+from pipeline.report import fallbacks
 from pipeline.stages import compile as compile_stage
 from pipeline.stages import fallback_table, toolchain as toolchain_stage, trt_audit
 from pipeline.targets import trt_rules, trt_static

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import leaderboard, paths, toolchain
+from pipeline import paths, toolchain
+from pipeline.report import leaderboard
 from pipeline.gates import benchgate, timing
 
 FP32, INT8 = "embedder-ort-cpu-fp32", "embedder-ort-cpu-int8"

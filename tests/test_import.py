@@ -18,14 +18,17 @@ import pytest
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline import config, dag, onnx_import, profiles, samples
+from pipeline import config, onnx_import, samples
+from pipeline.dagtools import dag, profiles
 from kiln_runtime import retinaface
 from pipeline.errors import KilnError
 from pipeline.gates.facemetrics import face_metrics
+from pipeline.roles import registry as roles
 from pipeline.vectors import as_l2
 from conftest import REPO, make_root, write_params
 
 RNG = np.random.default_rng(7)
+CHIPS = roles.get("chips")             # the role a chips model's outputs are checked against
 
 
 def _tiny(batch: int = 1, in_ch: int = 3, size: int = 8, out_rank: int = 2, extra_input: bool = False) -> onnx.ModelProto:
@@ -96,7 +99,7 @@ def test_a_shipped_style_model_becomes_a_runnable_fp32_graph_with_the_same_outpu
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         sess.run(None, {"data": np.zeros((1, 3, 8, 8), np.float32)})
     src = onnx_import.verify_source(path, sha, "tiny")
-    imported, rep = onnx_import.prepare(src, _mcfg(path, sha), str(path))
+    imported, rep = onnx_import.prepare(src, _mcfg(path, sha), str(path), CHIPS)
     assert rep["dropped_unfed_inputs"] == 1 and rep["unlisted_initializer_inputs"] > 10
     assert rep["folded"] == {"DequantizeLinear": 1, "Reshape": 1} and rep["kept_quantized"] == {}
     assert rep["batchnorm_folded"] == {"BatchNormalization→Conv": 1, "BatchNormalization→Gemm": 1,
@@ -137,17 +140,17 @@ def test_each_way_a_users_model_is_wrong_is_one_clear_error(tmp_path):
     e = _err(lambda: onnx_import.verify_source(junk, hashlib.sha256(junk.read_bytes()).hexdigest(), "tiny"))
     assert "junk.onnx" in e.message
     src = onnx_import.verify_source(path, sha, "tiny")
-    e = _err(lambda: onnx_import.prepare(src, _mcfg(path, sha, (3, 112, 112)), str(path)))      # wrong size
+    e = _err(lambda: onnx_import.prepare(src, _mcfg(path, sha, (3, 112, 112)), str(path), CHIPS))  # wrong size
     assert "[batch, 3, 112, 112]" in e.message and "[1, 3, 8, 8]" in e.message and "input_shape" in e.hint
-    e = _err(lambda: onnx_import.prepare(src, _mcfg(path, sha, (3, 8)), str(path)))              # wrong rank
+    e = _err(lambda: onnx_import.prepare(src, _mcfg(path, sha, (3, 8)), str(path), CHIPS))  # wrong rank
     assert "input_shape declares" in e.message
     rpath, rsha = _save(tmp_path, _tiny(out_rank=3), "rank3.onnx")
     e = _err(lambda: onnx_import.prepare(onnx_import.verify_source(rpath, rsha, "tiny"), _mcfg(rpath, rsha),
-                                         str(rpath)))
+                                         str(rpath), CHIPS))
     assert "rank 2" in e.message and "emb" in e.message
     tpath, tsha = _save(tmp_path, _tiny(extra_input=True), "two.onnx")
     e = _err(lambda: onnx_import.prepare(onnx_import.verify_source(tpath, tsha, "tiny"), _mcfg(tpath, tsha),
-                                         str(tpath)))
+                                         str(tpath), CHIPS))
     assert "2 inputs (data, second)" in e.message
 
 
@@ -176,7 +179,7 @@ def test_an_op_a_target_cannot_run_is_named_per_target(tmp_path):
     e = _err(lambda: import_.op_support(cfg, "sface", path))         # import@: per engine target of the model
     assert "ort-cpu: kiln.test:NoSuchOp" in e.message and "openvino-cpu: kiln.test.NoSuchOp" in e.message
     assert "sface-" not in e.message and "engines" in e.hint
-    tiny, _ = _save(tmp_path, onnx_import.prepare(_tiny(), _mcfg(path, sha), "tiny")[0], "imported.onnx")
+    tiny, _ = _save(tmp_path, onnx_import.prepare(_tiny(), _mcfg(path, sha), "tiny", CHIPS)[0], "imported.onnx")
     assert import_.op_support(cfg, "sface", tiny) == {"openvino-cpu": "all supported", "ort-cpu": "all supported"}
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from pipeline import dag, engines, paths, profiles
+from pipeline import engines, paths
+from pipeline.dagtools import dag, profiles
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage
@@ -87,7 +88,7 @@ def test_the_edge_tpu_rules_map_the_int8_model_and_refuse_the_float_one(built_lt
     assert tpu["min_runtime"] == "14"                                # its TRANSPOSE ops need compiler 16 / runtime 14
     fp = _manifest(FP32, built)["results"]["device_query"]["edgetpu"]
     assert fp["supported"] == 0 and fp["first_unsupported"].startswith("op 0 ") and "float32" in str(fp["why"])
-    from pipeline import fallbacks
+    from pipeline.report import fallbacks
 
     notes = {r["engine"]: r["note"] for r in fallbacks.rows(lcfg, built) if r["target"] == "litert"}
     assert notes[INT8] == f"edgetpu: {tpu['ops']}/{tpu['ops']} ops supported", notes

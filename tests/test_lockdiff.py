@@ -1,4 +1,4 @@
-"""The lock classes (pipeline/lockdiff.py) on hand-made lock entries, and the portable kernels' edge: a library
+"""The lock classes (pipeline/dagtools/lockdiff.py) on hand-made lock entries, and the portable kernels' edge: a library
 user of a portable stage keeps the host's kernels and its manifest says so."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from conftest import REPO
-from pipeline.lockdiff import classify, classify_all, isa, render
+from pipeline.dagtools.lockdiff import classify, classify_all, isa, render
 
 FP = "artifacts/toolchain/ort-cpu.yaml"
 

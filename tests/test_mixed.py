@@ -7,7 +7,7 @@ import pytest
 
 from pipeline import config, paths
 from pipeline.errors import KilnError
-from pipeline.mixed import Trial, greedy, search
+from pipeline.quant.mixed import Trial, greedy, search
 from pipeline.quant.qdq import pairs
 from pipeline.stages import quantize
 from conftest import write_params as _write

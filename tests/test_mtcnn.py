@@ -96,13 +96,13 @@ def test_area_resampling_is_torch_area_interpolation_bit_for_bit(shape, out):
     corners per cell) give exactly torch's area interpolation — what facenet-pytorch runs — up- and downsampling
     alike, normalised as ``preprocess`` normalises."""
     img = np.random.default_rng(shape[0]).integers(0, 256, shape).astype(np.uint8)
-    s = glue._integral(img)
+    s = glue.integral_image(img)
     exact = np.zeros((shape[0] + 1, shape[1] + 1, 3), np.int64)
     exact[1:, 1:] = img.astype(np.int64).cumsum(0).cumsum(1)
     assert np.array_equal(s, exact.transpose(2, 0, 1))
-    (level,) = glue._area_levels(s, [out])
+    (level,) = glue.area_levels(s, [out])
     assert np.array_equal(level, M.preprocess(_torch_area(img, *out)))
-    crop = glue._area_crops(s, *(np.array([v]) for v in (0, shape[0], 0, shape[1])), out[0])
+    crop = glue.area_crops(s, *(np.array([v]) for v in (0, shape[0], 0, shape[1])), out[0])
     assert np.array_equal(crop, M.preprocess(_torch_area(img, out[0], out[0])))
 
 
@@ -110,9 +110,9 @@ def test_crops_that_leave_the_photo_are_zero_padded():
     img = np.random.default_rng(7).integers(0, 256, (60, 50, 3)).astype(np.uint8)
     padded = np.zeros((60 + 40, 50 + 40, 3), np.uint8)
     padded[20:80, 20:70] = img
-    s = glue._integral(img)
+    s = glue.integral_image(img)
     boxes = [(-10, 30, -15, 20), (40, 75, 30, 61), (-20, 80, -20, 70), (5, 17, 9, 40)]    # y0, y1, x0, x1
-    crops = glue._area_crops(s, *(np.array(v) for v in zip(*boxes)), 24)
+    crops = glue.area_crops(s, *(np.array(v) for v in zip(*boxes)), 24)
     for (y0, y1, x0, x1), crop in zip(boxes, crops):
         want = M.preprocess(_torch_area(padded[y0 + 20:y1 + 20, x0 + 20:x1 + 20], 24, 24))[0]
         assert np.array_equal(crop, want), (y0, x0)

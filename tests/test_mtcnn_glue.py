@@ -230,11 +230,11 @@ def test_levels_and_crops_from_an_int32_or_float64_integral_are_torch_area(shape
     bright pixels (sums ~2.2e7: not all exact in float32)."""
     img = np.random.default_rng(shape[0]).integers(200 if out == (3, 2) else 0, 256, shape).astype(np.uint8)
     want = M.preprocess(area(img, *out))
-    s = M._integral(img)
+    s = M.integral_image(img)
     assert s.dtype == np.int32
     for integral in (s, s.astype(np.float64)):
-        (level,) = M._area_levels(integral, [out])
+        (level,) = M.area_levels(integral, [out])
         assert np.array_equal(level, want)
         if out[0] == out[1]:
-            crop = M._area_crops(integral, *(np.array([v]) for v in (0, shape[0], 0, shape[1])), out[0])
+            crop = M.area_crops(integral, *(np.array([v]) for v in (0, shape[0], 0, shape[1])), out[0])
             assert np.array_equal(crop, want)

@@ -25,7 +25,7 @@ BF16_ENGINE = "embedder-openvino-cpu-bf16"            # profiles/bf16.yaml
 @pytest.fixture(scope="module")
 def cfg16(tmp_path_factory):
     """params.yaml with the bf16 profile merged (its engine is opt-in: only CPUs with bf16 build it)."""
-    from pipeline import profiles
+    from pipeline.dagtools import profiles
 
     overlay = profiles.load("bf16", REPO)
     return config.load(_write(tmp_path_factory.mktemp("bf16"), lambda raw: profiles.merge(raw, overlay)))

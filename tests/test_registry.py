@@ -500,7 +500,8 @@ def _bench_rows(root: Path, cfg, gate: str, **row) -> None:
 def test_a_second_host_class_adds_its_bench_rows_to_the_same_version(cfg, root, monkeypatch, capsys):
     """The same content benched on host class A, then on B: one version, A's rows unchanged, B's beside them; a
     rerun from A changes nothing; B's `not-faster-here` (an immutable run parameter) is said in promote's record."""
-    from pipeline import leaderboard, report
+    from pipeline.report import leaderboard
+    from pipeline.report import page as report
 
     A, B = "x86-64-avx512-vnni", "x86-64-avx2"
     make_engine(root, cfg, FP32, b"fp32")
@@ -562,7 +563,8 @@ def test_edited_bench_tags_are_never_shown_as_fact(cfg, root, monkeypatch, capsy
     """Issue 44 item 1: a host class never benched added to the tags, a flipped verdict and an edited number — made
     through the public MLflow client — are not rows of `kiln history` nor cells of `kiln report`: both show what the
     version's run recorded (immutable parameters), and history says loudly which tag disagrees."""
-    from pipeline import leaderboard, report
+    from pipeline.report import leaderboard
+    from pipeline.report import page as report
     from pipeline.registry.registration import bench_rows
 
     A, FORGED = "x86-64-avx512-vnni", "arm64-sve2"

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import cli, provenance, registry, release, signing
+from pipeline import cli, registry
+from pipeline.release import provenance, signing
+from pipeline.release import engine as release
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import build_manifest, file_input, input_ref, manifest_path, write_manifest
 from conftest import render_in_chromium
@@ -369,10 +371,12 @@ def test_a_gallery_index_releases_and_verifies(cfg, root, keys, tmp_path):  # no
 @pytest.mark.parametrize("gone", ["model_signing._signing.sign_sigstore_pb",                      # a module moved
                                   "model_signing._signing.signing._IN_TOTO_JSON_PAYLOAD_TYPE"])   # a name renamed
 def test_signing_without_model_signings_private_names_is_one_kiln_error_line(tmp_path, monkeypatch, capsys, gone):
-    """sign_tree builds its deterministic bundle from model-signing's private modules (pipeline/signing.py): after an
+    """sign_tree builds its deterministic bundle from model-signing's private modules (pipeline/release/signing.py): after an
     upgrade that moved or renamed one, `kiln release` says so in one `kiln: error:` line naming the installed
     model-signing and the fix, not an ImportError / AttributeError traceback. No registry: `build` only signs here."""
     from importlib import import_module, metadata
+
+    from pipeline.cli import release as release_command
 
     import_module("model_signing._signing.sign_ec_key")              # imported before (it imports sign_sigstore_pb)
     if gone.endswith("_pb"):
@@ -383,7 +387,7 @@ def test_signing_without_model_signings_private_names_is_one_kiln_error_line(tmp
     private, _ = signing.keygen(tmp_path / "keys" / "k.pem")
     (tmp_path / "tree").mkdir()
     (tmp_path / "tree" / "f.bin").write_bytes(b"x")
-    monkeypatch.setattr(cli, "_cfg", lambda args: None)
+    monkeypatch.setattr(release_command, "load_cfg", lambda args: None)
     monkeypatch.setattr(release, "build", lambda *a, **k: signing.sign_tree(tmp_path / "tree", tmp_path / "t.sig",
                                                                             private))
     assert cli.main(["release", f"kiln-{INT8}", "production"]) == 2

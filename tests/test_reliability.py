@@ -485,7 +485,7 @@ def _consistent_history(uri: str, name: str) -> None:
     """The production moves chain (each from = the previous to) and the alias is the replayed stack's top."""
     from mlflow import MlflowClient
 
-    from pipeline.registry.releases import PRODUCTION, production_stack
+    from pipeline.registry.aliases import PRODUCTION, production_stack
 
     os.environ["MLFLOW_TRACKING_URI"] = uri
     try:

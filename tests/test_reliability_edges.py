@@ -43,7 +43,7 @@ def test_a_revision_is_never_an_option_to_git(tmp_path):
 
 
 def test_a_revision_resolves_to_its_commit():
-    from pipeline.lockdiff import resolve
+    from pipeline.dagtools.lockdiff import resolve
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, check=True).stdout
     assert resolve("HEAD", REPO) == head.decode().strip()

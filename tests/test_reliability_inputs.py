@@ -22,7 +22,8 @@ from PIL import Image
 
 from conftest import make_root, write_params
 from reliability import clean_error, kiln
-from pipeline import config, dag, onnx_import
+from pipeline import config, onnx_import
+from pipeline.dagtools import dag
 from pipeline.data import list_photos, load_rgb
 from pipeline.errors import KilnError
 

@@ -14,7 +14,8 @@ import shutil
 import pytest
 
 from pipeline import cli, registry, tables
-from pipeline.registry.releases import AliasMove
+from pipeline.cli.common import print_move
+from pipeline.registry.aliases import AliasMove
 from test_registry import FP32, REPO, make_engine, register, root  # noqa: F401  (root: a fixture)
 
 ESC_CSI = "\x1b[2J\x1b[31mred"                                   # clear the screen, colour
@@ -88,7 +89,7 @@ def test_history_and_moves_show_what_the_registry_holds_escaped(cfg, root, monke
     hostile = f"{ESC_CSI} {OSC8} {RTL} {FORGED} " + "z" * 2000
     move = registry.promote(cfg, name, 1, root, reason=hostile)
     capsys.readouterr()
-    cli._print_move(move)
+    print_move(move)
     line = capsys.readouterr().out
     assert line.count("\n") == 1 and line.rstrip("\n").isprintable() and len(line) < 1000
     assert "by \\x1b[8mmallory at " in line and "(\\x1b[2J\\x1b[31mred \\x1b]8;;https://evil.example/" in line
@@ -98,5 +99,5 @@ def test_history_and_moves_show_what_the_registry_holds_escaped(cfg, root, monke
     assert all(ln.isprintable() for ln in out.splitlines()), out
     assert len(rows) == 2 + 2                                  # header, rule, register, promote: no forged row
     assert "\\u202egnp.exe" in rows[-1] and "ok\\x0a\\| 2026-01-01" in rows[-1] and len(rows[-1]) < 1200
-    cli._print_move(AliasMove(name, "production", None, 1, "promote", "x", "t", "up\x1b[1A\x1b[2Kdone"))
+    print_move(AliasMove(name, "production", None, 1, "promote", "x", "t", "up\x1b[1A\x1b[2Kdone"))
     assert capsys.readouterr().out == f"promote: {name}@production none → v1 by x at t (up\\x1b[1A\\x1b[2Kdone)\n"

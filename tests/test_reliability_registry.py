@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import registry, release, revalidate, signing
+from pipeline import registry
+from pipeline.release import revalidate, signing
+from pipeline.release import engine as release
 from pipeline.errors import GateFailed, KilnError
-from pipeline.registry.releases import RELEASES_EXPERIMENT
+from pipeline.registry.aliases import RELEASES_EXPERIMENT
 from pipeline.registry import sync as registry_sync
 from reliability import clean_error, kiln, versions
 from test_registry import (FP32, INT8, REPO, aliases, client, make_engine, production, register,  # noqa: F401

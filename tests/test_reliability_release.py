@@ -26,8 +26,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from pipeline import archive as tar_reader
-from pipeline import cli, registry, release, signing
+from pipeline.release import archive as tar_reader
+from pipeline import cli, registry
+from pipeline.release import signing
+from pipeline.release import engine as release
 from pipeline.errors import GateFailed, KilnError
 from reliability import PY, _env, clean_error, kiln
 from test_registry import FP32, INT8, make_engine, make_index, register, root  # noqa: F401  (root: a fixture)
@@ -282,10 +284,10 @@ def test_sigterm_anywhere_in_release_leaves_no_scratch(cfg, root, keys, tmp_path
     """[release half-states] SIGTERM while downloading, signing, writing the archive into --out and recording it:
     exit 143, the private TMPDIR empty, no .tmp in --out; an archive there is whole and verifies."""
     _production(cfg, root)
-    for i, (module, attr, nth) in enumerate([("pipeline.registry.releases", "download_verified", 1),
-                                             ("pipeline.signing", "sign_tree", 1),
-                                             ("os", "fsync", 2),             # _place's copy is written, not renamed
-                                             ("pipeline.release", "_record", 1)]):
+    for i, (module, attr, nth) in enumerate([("pipeline.registry.aliases", "download_verified", 1),
+                                             ("pipeline.release.signing", "sign_tree", 1),
+                                             ("os", "fsync", 2),             # place_archive's copy is written, not renamed
+                                             ("pipeline.release.engine", "record_release", 1)]):
         scratch, out = tmp_path / f"scratch{i}", tmp_path / f"out{i}"
         env = _env(_release_env(root, scratch))
         r = subprocess.run([PY, "-c", SIGTERM_AT, module, attr, str(nth), "release", INT8, "production", "--key",
@@ -295,7 +297,7 @@ def test_sigterm_anywhere_in_release_leaves_no_scratch(cfg, root, keys, tmp_path
         left = sorted(p.name for p in out.iterdir()) if out.exists() else []
         assert left in ([], [f"kiln-{INT8}-v1.tar.gz"]), (attr, left)
         if left:
-            assert attr == "_record" and release.verify(out / left[0], keys[1])
+            assert attr == "record_release" and release.verify(out / left[0], keys[1])
 
 
 # ---------------------------------------------------------------------------------------------- [keygen links]

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline import config, profiles, samples
+from pipeline import config, samples
+from pipeline.dagtools import profiles
 from pipeline.errors import KilnError
 from pipeline.roles import base, registry
 from conftest import REPO, write_params

@@ -1,4 +1,4 @@
-"""The release's trust boundary in the runtime: kiln_runtime/signature.py verifies what pipeline/signing.py signs with
+"""The release's trust boundary in the runtime: kiln_runtime/signature.py verifies what pipeline/release/signing.py signs with
 `cryptography` alone, and kiln_runtime/archive.py reads the archive; the build re-exports both, so a deployment host
 and `kiln verify-release` check a release with one implementation.
 
@@ -21,7 +21,8 @@ import pytest
 from kiln_runtime import archive as rt_archive
 from kiln_runtime import signature as rt
 from kiln_runtime import text as rt_text
-from pipeline import archive, signing, tables
+from pipeline import tables
+from pipeline.release import archive, signing
 from pipeline.errors import GateFailed, KilnError
 
 HINT = "do not use this release; get the archive and the publisher's key again"
@@ -37,7 +38,7 @@ def keys(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def signed(tmp_path, keys) -> tuple[Path, Path]:
-    """A small release-like tree, signed by pipeline.signing.sign_tree: (tree, signature)."""
+    """A small release-like tree, signed by pipeline.release.signing.sign_tree: (tree, signature)."""
     tree = tmp_path / "kiln-demo-v1"
     (tree / "engine" / "kiln").mkdir(parents=True)
     (tree / "release.json").write_text('{"registered_model": "kiln-demo"}')

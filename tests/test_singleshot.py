@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline import config, profiles
+from pipeline import config
+from pipeline.dagtools import profiles
 from pipeline.errors import KilnError
 from kiln_runtime import singleshot
 from conftest import REPO, make_root, write_params
@@ -122,12 +123,11 @@ def test_yunet_decodes_as_opencv_does_on_the_same_file(yunet_root):
 
     from pipeline import engines, paths
     from pipeline.data import list_photos, load_rgb
-    from pipeline.roles.singleshot import runtime_decode
     from kiln_runtime.system import net_of
 
     cfg, root = yunet_root["cfg"], yunet_root["root"]
     run = net_of(engines.load("ort-cpu", paths.engine("yunet-ort-cpu-fp32", root)), by_name=True)
-    d = runtime_decode(cfg.model("yunet"))
+    d = cfg.model("yunet").decode.runtime()
     for photo in list_photos(root / cfg.data.photos):
         rgb = load_rgb(photo.path)
         (face,) = singleshot.detect(rgb, run, d)

@@ -7,7 +7,7 @@ like pipeline/ code.
 
 Imports are read as the DAG reads them: by the project's own reader (`_direct`, beside `closure`; module-level and
 function-level imports alike, `if TYPE_CHECKING:` blocks excepted). Closures are those of the declarations rendered
-in memory (pipeline/dag.py `render` of the repository's params.yaml), never the committed dvc.yaml. Fast: nothing
+in memory (pipeline/dagtools/dag.py `render` of the repository's params.yaml), never the committed dvc.yaml. Fast: nothing
 is built, nothing runs but the reader and the renderer.
 """
 
@@ -57,9 +57,21 @@ def pipeline_files() -> list[Path]:
     return sorted(p for p in PIPELINE.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+def loads_by_name(path: Path) -> set[str]:
+    """The pipeline/ files `path` names as string literals to load by name: a registry's module (`Entry(
+    "pipeline.roles.retinaface", …)`), a role's `"module:function"` reference, a stage's own module name."""
+    import ast
+
+    r = reader()
+    names = {n.value.partition(":")[0] for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and re.fullmatch(r"pipeline(\.\w+)+(:\w+)?", n.value)}
+    return {rel(f) for n in names if (f := r.module_file(n)) is not None}
+
+
 def graph() -> dict[str, set[str]]:
-    """pipeline/ file → the pipeline/ files it imports."""
-    return {rel(p): imports(p)[0] - {rel(p)} for p in pipeline_files()}
+    """pipeline/ file → the pipeline/ files it imports or loads by name (importlib on a module it names)."""
+    return {rel(p): (imports(p)[0] | loads_by_name(p)) - {rel(p)} for p in pipeline_files()}
 
 
 def path_between(edges: dict[str, set[str]], start: str, goals: set[str]) -> list[str] | None:
@@ -121,9 +133,58 @@ def _cycle_through(inner: dict[str, set[str]], start: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- (a) (b) (c)
 def test_the_import_graph_of_pipeline_has_no_cycles():
-    """Module-level and function-level imports both count: a cycle is one a lazy import only hides."""
+    """Module-level and function-level imports both count, and loads by name: a cycle is one a lazy import or
+    importlib only hides."""
     found = cycles(graph())
     assert not found, "import cycles in pipeline/:\n" + "\n".join(" → ".join(c) for c in found)
+
+
+def test_loads_by_name_are_edges_of_the_graph():
+    """The registries' by-name loads are seen: the roles registry names every role module, a role its metrics."""
+    edges = graph()
+    assert {"pipeline/roles/retinaface.py", "pipeline/roles/singleshot.py"} <= edges["pipeline/roles/registry.py"]
+    assert "pipeline/gates/detection.py" in edges["pipeline/roles/singleshot.py"]
+    assert "pipeline/targets/ort_cpu.py" in edges["pipeline/targets/__init__.py"]
+
+
+def private_imports(path: Path) -> list[str]:
+    """`from pipeline.x import _name` and `module._name` (module one of the checkout's, imported by `path`)."""
+    import ast
+
+    r = reader()
+    where = rel(path) if REPO in path.resolve().parents else path.name
+    tree, found, modules = ast.parse(path.read_text(encoding="utf-8")), [], set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and r.package_of(n.module):
+            for a in n.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{where}:{n.lineno} imports {n.module}.{a.name}")
+                elif r.module_file(f"{n.module}.{a.name}") is not None:
+                    modules.add(a.asname or a.name)
+        elif isinstance(n, ast.Import):
+            modules |= {a.asname for a in n.names if a.asname and r.package_of(a.name)}
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in modules
+                and n.attr.startswith("_") and not n.attr.startswith("__")):
+            found.append(f"{where}:{n.lineno} uses {n.value.id}.{n.attr}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name another module needs is public: no `from pipeline.x import _helper`, no `x._helper(...)` across
+    modules, in pipeline/, the runtime, bench/ or scripts/ (tests may reach in)."""
+    files = [p for d in ("pipeline", "runtime/kiln_runtime", "bench", "scripts")
+             for p in sorted((REPO / d).rglob("*.py")) if "__pycache__" not in p.parts]
+    found = [line for p in files for line in private_imports(p)]
+    assert not found, "private names used across modules:\n  " + "\n  ".join(found)
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from pipeline.dagtools import dag\nfrom pipeline.manifest import _x\ndag._y()\ndag.render\n",
+                 encoding="utf-8")
+    found = private_imports(f)
+    assert len(found) == 2 and "pipeline.manifest._x" in found[0] and "dag._y" in found[1], found
 
 
 def stage_modules() -> list[str]:
@@ -156,7 +217,8 @@ def declared() -> dict[str, dict]:
     """Every stage of the default DAG as the declarations render it (in memory): name → {deps, packages,
     targets, module}: its deps (code and data), the packages of artifacts/toolchain/python.yaml it tracks, and the
     targets whose fingerprint (artifacts/toolchain/<target>.yaml) it tracks."""
-    from pipeline import config, dag
+    from pipeline import config
+    from pipeline.dagtools import dag
 
     cfg = config.load(REPO / "params.yaml")
     out: dict[str, dict] = {}

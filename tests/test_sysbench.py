@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from conftest import make_root, write_params
-from pipeline import config, dag
+from pipeline import config
+from pipeline.dagtools import dag
 from pipeline.dvcfiles import dvcfile
 from pipeline.errors import KilnError
 from pipeline.sysbench import frames, load, roofline
@@ -129,7 +130,7 @@ def test_the_report_compares_the_cost_per_stream_of_systems():
     """The systems section's first table: per system its targets, the streams held, the machine's cores over them and
     the CPU a stream used at the largest count held (CPU-s a frame × fps) — from the sysbench documents, so a system
     that held nothing shows no cost rather than a division by zero."""
-    from pipeline import report_systems
+    from pipeline.report import systems as report_systems
 
     def doc(held: list[int], missed: int, cpu: float) -> dict:
         points = [{"streams": n, "within_budget": True, "cpu_s_per_frame": cpu} for n in held]

@@ -200,7 +200,7 @@ def test_sysbench_runs_the_gated_system_under_load_and_keeps_its_timings_out_of_
     record = read_record(f"sysbench@{SYSTEM}", root)
     assert record["streams_at_budget"] == 0 and record["points"] == sb["points"] and record["host_class"]
 
-    from pipeline import report
+    from pipeline.report import page as report
     html = report.render(report.for_workspace(cfg, root))
     assert 'id="systems"' in html and "roofline" in html and f"{SYSTEM}: 0 stream(s)" in html
     assert "<th>cores per stream</th>" in html and f"<tr><td>{SYSTEM}</td><td>ort-cpu</td><td>0</td>" in html

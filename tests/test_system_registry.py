@@ -22,7 +22,7 @@ from conftest import write_params
 from pipeline import cli, config, paths
 from pipeline.errors import GateFailed, KilnError
 from pipeline.gates import gallery_compat
-from pipeline.registry import releases, systems
+from pipeline.registry import aliases, systems
 from pipeline.stages import calibrate, compile as compile_stage, export, golden, quantize, validate
 from pipeline.stages import register as register_stage
 from pipeline.stages import system as system_stage
@@ -213,11 +213,11 @@ def test_promote_int8_system_then_roll_back_every_part(sysroot, registry_env, tm
     make_engine(fake, c32, "pnet-ort-cpu-fp32", b"another pnet build")
     assert register_stage.run(c32, "pnet-ort-cpu-fp32", fake).version == 2
     with pytest.raises(KilnError, match=f"production system {SYSTEM} v2 runs v1 as its pnet") as e:
-        releases.promote(c32, "pnet-ort-cpu-fp32", 2, root)         # it would change what production runs
+        aliases.promote(c32, "pnet-ort-cpu-fp32", 2, root)         # it would change what production runs
     assert f"kiln promote --system {SYSTEM}" in e.value.hint and production("kiln-pnet-ort-cpu-fp32") == 1
     with pytest.raises(KilnError, match="--force needs --reason"):
-        releases.promote(c32, "pnet-ort-cpu-fp32", 2, root, force=True)
-    forced = releases.promote(c32, "pnet-ort-cpu-fp32", 2, root, force=True, reason="hotfix")
+        aliases.promote(c32, "pnet-ort-cpu-fp32", 2, root, force=True)
+    forced = aliases.promote(c32, "pnet-ort-cpu-fp32", 2, root, force=True, reason="hotfix")
     assert forced.reason.startswith(f"FORCED past production system {SYSTEM} v2 (which pins v1): hotfix")
     assert production("kiln-pnet-ort-cpu-fp32") == 2
 
@@ -229,11 +229,11 @@ def test_promote_int8_system_then_roll_back_every_part(sysroot, registry_env, tm
     with pytest.raises(KilnError, match="first production version"):
         systems.rollback(c32, SYSTEM, root)
 
-    hist = releases.history(c32, NAME, root, alias="production")
+    hist = aliases.history(c32, NAME, root, alias="production")
     assert [(m.action, m.from_version, m.to_version) for m in hist] == [
         ("promote", None, 1), ("promote", 1, 2), ("rollback", 2, 1)]
     assert hist[0].reason.startswith("first system") and hist[2].reason.startswith("int8 misbehaves")
-    pnet = releases.history(c32, "kiln-pnet-ort-cpu-fp32", root, alias="production")
+    pnet = aliases.history(c32, "kiln-pnet-ort-cpu-fp32", root, alias="production")
     assert [(m.action, m.to_version) for m in pnet] == [("promote", 1), ("promote", 2), ("rollback", 1)]
     assert f"system {SYSTEM} v1" in pnet[0].reason and f"system {SYSTEM} v1" in pnet[2].reason
     assert not [m.name for m in client().search_registered_models() if m.name.endswith(".lock")]
@@ -272,24 +272,25 @@ def test_an_incompatible_embedder_needs_re_enroll(sysroot, registry_env, tmp_pat
     assert production(NAME) == 1
     assert cli.main(["re-enroll", "--system", SYSTEM, "2"]) == 0
     out = capsys.readouterr().out
-    enrolled = systems.enrolments(releases.Registry(strict, root), NAME, 2)[-1]
+    enrolled = systems.enrolments(aliases.Registry(strict, root), NAME, 2)[-1]
     assert f"gallery enrolled by {INT8}" in out and enrolled["run"] in out and int(enrolled["dim"]) == 128
 
     assert cli.main(["promote", f"kiln-system-{SYSTEM}", "2", "--re-enroll", "--reason", "gallery re-enrolled"]) == 0
     out = capsys.readouterr().out
     assert f"{NAME}@production v1 → v2" in out and "re-enroll" in out
     assert production(NAME) == 2 and production(f"kiln-{INT8}") == 1
-    last = releases.history(strict, NAME, root, alias="production")[-1]
+    last = aliases.history(strict, NAME, root, alias="production")[-1]
     assert last.to_version == 2 and last.reason.startswith("gallery re-enrolled; re-enroll: the gallery was "
                                                            f"re-enrolled with {INT8} (run {enrolled['run']}")
     run = client().get_run(client().get_model_version(NAME, "2").tags["production_release_run"])
     assert run.data.tags["re_enroll"] == "true" and run.data.tags["gallery_compat"] == gallery_compat.RE_ENROLL
-    recorded = releases.recorded(releases.Registry(strict, root), NAME, 2, systems.COMPAT)   # the decision's record
+    recorded = aliases.recorded(aliases.Registry(strict, root), NAME, 2, systems.COMPAT)   # the decision's record
     assert recorded["verdict"] == gallery_compat.RE_ENROLL and recorded["re_enroll"] == "true"
     assert json.loads(recorded["limits"])["distance_delta_max"] == 0.0 and "distance_delta_max" in recorded["failures"]
     assert json.loads(recorded["enrolment"])["sha256"] == enrolled["sha256"]
 
-    from pipeline import signing, system_release                  # the release is checked against the re-enrolment
+    from pipeline.release import signing
+    from pipeline.release import system as system_release                  # the release is checked against the re-enrolment
     key, pub = signing.keygen(tmp_path / "keys" / "signing.pem")
     r = system_release.build(strict, SYSTEM, "production", root, key, tmp_path / "out")
     assert cli.main(["verify-release", str(r.archive), "--key", str(pub)]) == 0
@@ -304,7 +305,8 @@ def test_every_command_names_the_production_systems_record(sysroot, registry_env
     never an engine's own alias."""
     import tarfile
 
-    from pipeline import signing, system_release
+    from pipeline.release import signing
+    from pipeline.release import system as system_release
     from pipeline.data import list_photos
     from test_registry import make_engine
 
@@ -317,12 +319,12 @@ def test_every_command_names_the_production_systems_record(sysroot, registry_env
         for tag, value in (("gallery_compat", "compatible (signed off by security, see https://evil.example)"),
                            ("parts", "embedder=kiln-evil:v9"), ("embedder", "evil"), ("validation", "fail")):
             c.set_model_version_tag(NAME, version, tag, value)
-    releases.promote(c8, FP32, 1, root, reason="a third embedder alias")     # not pinned by production: allowed
+    aliases.promote(c8, FP32, 1, root, reason="a third embedder alias")     # not pinned by production: allowed
     fake = tmp_path / "fake"                                                # pinned at another version: refused
     make_engine(fake, c32, "pnet-ort-cpu-fp32", b"another pnet build")
     assert register_stage.run(c32, "pnet-ort-cpu-fp32", fake).version == 2
     with pytest.raises(KilnError, match="runs v1 as its pnet"):
-        releases.promote(c8, "pnet-ort-cpu-fp32", 2, root)
+        aliases.promote(c8, "pnet-ort-cpu-fp32", 2, root)
     assert production(NAME) == 2 and production(f"kiln-{INT8}") == 1 and production("kiln-pnet-ort-cpu-fp32") == 1
 
     shutil.copy(c8.source, root / "params.yaml")
@@ -348,7 +350,7 @@ def test_every_command_names_the_production_systems_record(sysroot, registry_env
     assert f"embedder=kiln-{INT8}:v1" in v2 and "| pass " in v2 and "| compatible " in v2 and "evil" not in out
     assert err.count("kiln: WARNING:") == 8 and "evil" in err                          # 4 forged tags × 2 versions
 
-    from pipeline import report
+    from pipeline.report import page as report
     (prod,) = report.production_systems(c8, root)                                     # `kiln report`
     assert (prod["system"], prod["version"], prod["verdict"]) == (NAME, 2, "pass")
     assert f"embedder=kiln-{INT8}:v1" in prod["parts"] and "evil" not in json.dumps(prod)
@@ -363,10 +365,10 @@ def test_concurrent_system_and_part_moves_stay_consistent(sysroot, registry_env,
     from reliability import clean_error, kiln
 
     def consistent(name: str) -> None:         # each move starts where the one before ended (a retired alias: at
-        hist = releases.history(c8, name, root, alias="production")                  # none); the alias is the top
-        assert all(m.from_version == (None if p.action == releases.RETIRE else p.to_version)
+        hist = aliases.history(c8, name, root, alias="production")                  # none); the alias is the top
+        assert all(m.from_version == (None if p.action == aliases.RETIRE else p.to_version)
                    for p, m in zip(hist, hist[1:])), hist
-        stack = releases.production_stack(hist)
+        stack = aliases.production_stack(hist)
         assert (stack[-1] if stack else None) == production(name), hist
 
     if store == "http":

@@ -21,11 +21,14 @@ import pytest
 
 from kiln_runtime import release as runtime_release
 from kiln_runtime import system as runtime_system
-from pipeline import cli, config, paths, release, signing, system_release
-from pipeline.archive import safe_extract, write_archive
+from pipeline import cli, config, paths
+from pipeline.release import signing
+from pipeline.release import system as system_release
+from pipeline.release import engine as release
+from pipeline.release.archive import safe_extract, write_archive
 from pipeline.data import list_photos, load_rgb
 from pipeline.errors import GateFailed, KilnError
-from pipeline.registry import releases, systems
+from pipeline.registry import aliases, systems
 from test_system_registry import FP32, INT8, NAME, SYSTEM, client, register_parts, sysroot, use  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +101,7 @@ def test_system_release_is_byte_identical_and_verifies(released, tmp_path, capsy
             "gallery/labels.json", "config/params.json", "slsa-provenance.json"} <= set(members)
 
     assert int(client().get_registered_model(NAME).aliases["release"]) == 1      # recorded like an engine release
-    assert releases.history(c8, NAME, root, alias="release")[-1].reason.startswith(f"released {REL}.tar.gz")
+    assert aliases.history(c8, NAME, root, alias="release")[-1].reason.startswith(f"released {REL}.tar.gz")
 
     shutil.copy(c8.source, root / "params.yaml")              # the CLI: the same bytes, verified
     monkeypatch.chdir(root)

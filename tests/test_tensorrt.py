@@ -164,7 +164,7 @@ def test_toolchain_stage_records_unavailable(tmp_path):
 
 def _gpu_cfg(tmp_path: Path) -> config.Config:
     """params.yaml with profiles/gpu.yaml merged over it (what `kiln profile gpu` writes)."""
-    from pipeline import profiles
+    from pipeline.dagtools import profiles
 
     p = tmp_path / "params.yaml"
     p.write_text((REPO / "params.yaml").read_text())

@@ -22,7 +22,9 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import REPO
-from pipeline import cli, config, paths, profiles, registry, revalidate, targets
+from pipeline import cli, config, paths, registry, targets
+from pipeline.dagtools import profiles
+from pipeline.release import revalidate
 from pipeline.errors import GateFailed, KilnError
 from pipeline.targets.base import CompileOptions, OpSupport
 from pipeline.targets.ort_cpu import OrtCpu

@@ -13,7 +13,8 @@ import pytest
 import yaml
 from onnx import TensorProto, helper
 
-from pipeline import dag, engines, paths, rebuild
+from pipeline import engines, paths
+from pipeline.dagtools import dag, rebuild
 from pipeline.errors import KilnError
 from pipeline.manifest import read_manifest, verify_manifest
 from pipeline.stages import compile as compile_stage

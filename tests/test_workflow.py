@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from conftest import REPO
-from pipeline import plan
+from pipeline.dagtools import plan
 
 WORKFLOW = REPO / ".github/workflows/build.yml"
 FAMILY_JOB = REPO / ".github/workflows/build-family.yml"

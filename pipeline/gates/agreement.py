@@ -4,12 +4,17 @@ stage that rebuilds a model and compares it with golden. pipeline/gates/parity.p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from pipeline import models, paths, samples
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def model_deps(cfg, key: str) -> list[str]:
+
+def model_deps(cfg: Config, key: str) -> list[str]:
     """What a stage that rebuilds a model and compares it with its golden outputs reads."""
     return [*models.weight_deps(cfg.model(key)), paths.golden(key).as_posix(), *samples.deps(cfg, key, "golden")]
 

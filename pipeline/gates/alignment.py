@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline import paths, samples
+from pipeline import paths
+from pipeline.roles import inputs
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
-def aligner_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
+def aligner_metrics(cfg: Config, model: str, runner, root: Path, role) -> dict[str, float]:
     from pipeline.gates.reference import load_reference
 
     _, reference = load_reference(paths.golden(model, root))
     diffs = [np.abs(runner.run_all(feed)[0] - ref[0]) for feed, ref in
-             zip(samples.feeds(cfg, model, "golden", root), reference)]
+             zip(role.feeds(cfg, model, "golden", root, inputs.CHIP_BATCH), reference)]
     return {"pixel_mae": float(np.mean([d.mean() for d in diffs])), "pixel_max_abs": float(max(d.max() for d in diffs)),
             "chips": int(sum(len(d) for d in diffs))}

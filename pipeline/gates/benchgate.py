@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths
 from pipeline.dvcfiles import address
 from pipeline.errors import KilnError
 from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_path, verify_manifest,
                                write_json_atomic, write_manifest)
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 NOT_FASTER = "not-faster-here"
 VERDICTS = ("pass", "fail", "not-run", NOT_FASTER)
@@ -41,18 +45,18 @@ def fp32_sibling(e, engines: list):
     return next((s for s in engines if s.target == e.target and s.precision == "fp32"), None)
 
 
-def _sibling(cfg, e):
+def _sibling(cfg: Config, e):
     return fp32_sibling(e, cfg.engines_of(e.model)) if e.precision == "int8" else None
 
 
-def refs(cfg, e, root: Path = Path(".")) -> list[dict]:
+def refs(cfg: Config, e, root: Path = Path(".")) -> list[dict]:
     """The builds an engine's bench verdict is about, by their manifests' identity digests."""
     about = [e] + ([s] if (s := _sibling(cfg, e)) else [])
     return [*(input_ref(f"engine:{x.name}", manifest_path(paths.engine(x.name, root), x.name), root) for x in about),
             input_ref("validation", manifest_path(paths.validation(e.name, root), e.name), root)]
 
 
-def doc(cfg, e, verdict: str, root: Path = Path(".")) -> dict:
+def doc(cfg: Config, e, verdict: str, root: Path = Path(".")) -> dict:
     assert verdict in VERDICTS, verdict
     s = _sibling(cfg, e)
     return {"kind": "bench-gate", "engine": e.name, "model": e.model, "verdict": verdict,
@@ -62,7 +66,7 @@ def doc(cfg, e, verdict: str, root: Path = Path(".")) -> dict:
             "inputs": refs(cfg, e, root)}
 
 
-def write(cfg, model: str, verdicts: dict[str, str], inputs: list[dict], identity: dict,
+def write(cfg: Config, model: str, verdicts: dict[str, str], inputs: list[dict], identity: dict,
           root: Path = Path(".")) -> Path:
     """The gate directory of `model`, whole or not at all: one file per engine + a manifest over them (its inputs
     every engine and verdict benched, `identity` the bench stage's code, params and toolchain)."""
@@ -82,7 +86,7 @@ def write(cfg, model: str, verdicts: dict[str, str], inputs: list[dict], identit
     return directory(model, root)
 
 
-def check(cfg, engine_name: str, root: Path = Path(".")) -> str | None:
+def check(cfg: Config, engine_name: str, root: Path = Path(".")) -> str | None:
     """The bench verdict of `engine_name` (pass / fail / not-run / not-faster-here), or None when its model was not
     benched here.
     A verdict that does not match its manifest, or is about other builds than the current engine, its validation

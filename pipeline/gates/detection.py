@@ -5,14 +5,18 @@ decisions on skimage's lfw_subset."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline import paths, samples
-from pipeline.roles import registry as roles
+from pipeline import paths
+from pipeline.roles import inputs
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
-def _iou(a, b) -> float:
+def box_iou(a, b) -> float:
     ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     inter = ix * iy
@@ -35,16 +39,16 @@ def lfw_crops(size: int, preprocess=None) -> tuple[np.ndarray, np.ndarray]:
     return x, np.r_[np.ones(100, bool), np.zeros(len(imgs) - 100, bool)]
 
 
-def detector_metrics(cfg, net: str, runner, root: Path) -> dict[str, float]:
-    """Swap this net's engine into the reference (PyTorch) cascade: do the same faces come out?"""
+def detector_metrics(cfg: Config, net: str, runner, root: Path, role) -> dict[str, float]:
+    """Swap this net's engine into the reference (PyTorch) cascade: do the same faces come out? `role`: the net's
+    (pipeline/roles/mtcnn.py): its place in the cascade and its crop size."""
     from pipeline.data import list_photos, load_rgb
     from pipeline.models import mtcnn
 
-    nets = mtcnn.load_nets(*(root / w for w in samples.reference_weights(cfg)))
+    nets = mtcnn.load_nets(*(root / w for w in inputs.reference_weights(cfg)))
     reference = [mtcnn.torch_runner(n) for n in nets]
     engine = list(reference)
-    net_role = roles.get(net)          # pipeline/roles/mtcnn.py: its place in the cascade and its crop size
-    k = net_role.index
+    k = role.index
     engine[k] = lambda x: tuple(runner.run_all({"input": x}))
     det_cfg = mtcnn.DetectorConfig(min_face_size=cfg.data.min_face_size)
     ious, errs, count_diff, faces = [], [], 0, 0
@@ -54,16 +58,16 @@ def detector_metrics(cfg, net: str, runner, root: Path) -> dict[str, float]:
         count_diff += len(ref) != len(got)
         for f in ref:
             faces += 1
-            best = max(got, key=lambda g: _iou(f.box, g.box), default=None)
-            ious.append(_iou(f.box, best.box) if best else 0.0)
+            best = max(got, key=lambda g: box_iou(f.box, g.box), default=None)
+            ious.append(box_iou(f.box, best.box) if best else 0.0)
             if best is not None:
                 eye = np.linalg.norm(f.landmarks[0] - f.landmarks[1])
                 errs.append(float(np.linalg.norm(best.landmarks - f.landmarks, axis=1).max() / eye))
     m = {"reference_faces": faces, "photos_with_other_face_count": count_diff,
          "box_iou_min": float(min(ious, default=0.0)), "landmark_err_max": float(max(errs, default=1.0)),
          "face_agreement": 1.0}
-    if net_role.crop_fed:
-        x, _ = lfw_crops(net_role.crop)
+    if role.crop_fed:
+        x, _ = lfw_crops(role.crop)
         p_ref = reference[k](x)[-1][:, 1] > det_cfg.thresholds[k]
         p_got = engine[k](x)[-1][:, 1] > det_cfg.thresholds[k]
         m["face_agreement"] = float((p_ref == p_got).mean())
@@ -78,15 +82,15 @@ LFW_RETINAFACE = 128       # lfw_subset's 25×25 crops upscaled to this (RetinaF
 def _match(ref: list, got: list, ious: list, errs: list, score_d: list) -> None:
     """Every reference face matched with the engine face of best IoU: its IoU, landmark error, score change."""
     for f in ref:
-        best = max(got, key=lambda g: _iou(f.box, g.box), default=None)
-        ious.append(_iou(f.box, best.box) if best else 0.0)
+        best = max(got, key=lambda g: box_iou(f.box, g.box), default=None)
+        ious.append(box_iou(f.box, best.box) if best else 0.0)
         if best is not None:
             eye = np.linalg.norm(f.landmarks[0] - f.landmarks[1])
             errs.append(float(np.linalg.norm(best.landmarks - f.landmarks, axis=1).max() / eye))
             score_d.append(abs(best.score - f.score))
 
 
-def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
+def retinaface_metrics(cfg: Config, model: str, runner, root: Path, role) -> dict[str, float]:
     """A single-shot detector: the engine's decoded faces vs the reference's (golden@: ORT on the original) on
     every photo, and face / non-face decisions on skimage's lfw_subset against the reference run on the same."""
     from pipeline import onnx_import
@@ -99,7 +103,7 @@ def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
         retinaface.DecodeConfig(score_threshold=d.score_threshold, nms_threshold=d.nms_threshold)
     _, reference = load_reference(paths.golden(model, root))
     ious, errs, score_d, count_diff, faces = [], [], [], 0, 0
-    for feed, ref in zip(samples.feeds(cfg, model, "golden", root), reference):
+    for feed, ref in zip(role.feeds(cfg, model, "golden", root, inputs.CHIP_BATCH), reference):
         h, w = feed["input"].shape[2:]
         f_ref = retinaface.decode(*(r[0] for r in ref[:3]), h, w, dcfg)
         f_got = retinaface.decode(*(g[0] for g in list(runner.run_all(feed))[:3]), h, w, dcfg)
@@ -116,21 +120,20 @@ def retinaface_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
             "lfw_faces_found": int(p_got[:100].sum()), "lfw_nonfaces_accepted": int(p_got[100:].sum())}
 
 
-def singleshot_metrics(cfg, model: str, runner, root: Path) -> dict[str, float]:
+def singleshot_metrics(cfg: Config, model: str, runner, root: Path, role) -> dict[str, float]:
     """A declared single-shot detector (kiln_runtime/singleshot.py): as `retinaface_metrics`, its outputs read by
     name (golden@'s reference names, the engine runner's `output_names`); lfw crops at LFW_RETINAFACE px, decided by
     the best prior's score against the declared threshold."""
     from pipeline import onnx_import
     from pipeline.gates.reference import load_reference
-    from pipeline.roles.singleshot import runtime_decode
     from kiln_runtime import singleshot
 
     mcfg = cfg.model(model)
-    d = runtime_decode(mcfg)
+    d = mcfg.decode.runtime()
     names, reference = load_reference(paths.golden(model, root))
     got_names = list(getattr(runner, "output_names", None) or names)
     ious, errs, score_d, count_diff, faces = [], [], [], 0, 0
-    for feed, ref in zip(samples.feeds(cfg, model, "golden", root), reference):
+    for feed, ref in zip(role.feeds(cfg, model, "golden", root, inputs.CHIP_BATCH), reference):
         h, w = feed["input"].shape[2:]
         f_ref = singleshot.decode(dict(zip(names, ref)), h, w, d)
         f_got = singleshot.decode(dict(zip(got_names, runner.run_all(feed))), h, w, d)

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.config import ValidateConfig
 from pipeline.gates import facemetrics
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 
@@ -57,12 +61,12 @@ def gate(m: dict[str, float], v: ValidateConfig) -> list[str]:
     return facemetrics.gate(m, asdict(v))
 
 
-def evaluate(cfg, engine_name: str, runner, root: Path = Path(".")) -> tuple[dict, list[str], dict, dict]:
+def evaluate(cfg: Config, engine_name: str, runner, root: Path = Path(".")) -> tuple[dict, list[str], dict, dict]:
     """(metrics, failures, limits, extra) of one engine's runner on its model's face-task gate."""
     return evaluate_model(cfg, cfg.engine(engine_name).model, runner, root)
 
 
-def evaluate_model(cfg, model: str, runner, root: Path = Path(".")) -> tuple[dict, list[str], dict, dict]:
+def evaluate_model(cfg: Config, model: str, runner, root: Path = Path(".")) -> tuple[dict, list[str], dict, dict]:
     """(metrics, failures, limits, extra) of a runner of `model` on its role's face-task gate (pipeline/roles/)."""
     role = roles.get(cfg.model(model).samples)
     metrics, extra = role.measure(cfg, model, runner, root)

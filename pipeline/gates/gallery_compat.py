@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from pipeline.gates.facemetrics import check
 from pipeline.manifest import manifest_path, read_manifest
 from pipeline.roles import registry as roles
 from pipeline.vectors import as_l2
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 COMPATIBLE, RE_ENROLL = "compatible", "re-enroll required"
 CHECKS = (("top1_agreement", ">=", "top1_agreement_min"), ("decision_flips", "<=", "decision_flips_max"),
@@ -117,7 +120,7 @@ def _rounded(v: Any) -> Any:
     return round(v, 7) if isinstance(v, float) else v
 
 
-def _runner(cfg, name: str, directory: Path | None, root: Path):
+def _runner(cfg: Config, name: str, directory: Path | None, root: Path):
     """A verified runner of engine `name` from `directory` (default: its local build)."""
     if directory is None:           # the local build: params.yaml says what it is, the load checks the manifest
         return engines.load(cfg.engine(name).target, paths.engine(name, root), name)
@@ -125,7 +128,7 @@ def _runner(cfg, name: str, directory: Path | None, root: Path):
     return engines.load(read_manifest(manifest_path(d, name)).get("target") or cfg.engine(name).target, d, name)
 
 
-def compare(cfg, candidate: str, production: str, root: Path = Path("."), candidate_dir: Path | None = None,
+def compare(cfg: Config, candidate: str, production: str, root: Path = Path("."), candidate_dir: Path | None = None,
             production_dir: Path | None = None, model: str | None = None,
             limits: dict[str, Any] | None = None) -> Compat:
     """Measure `candidate` (engine name) against a gallery enrolled by `production`, both of embedder `model`

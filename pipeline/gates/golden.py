@@ -48,9 +48,10 @@ def onnx_reference(mcfg, feeds: Sequence[samples.Feed], root: Path) -> tuple[lis
     reference had to do to run it (None: the file as it is). The file's I/O is checked first, as import@ checks it:
     a wrong input shape or layout, or a Loop, is one clear error."""
     from pipeline import onnx_import
+    from pipeline.roles import registry as roles
 
     proto = onnx_import.load_source(mcfg, root)
-    onnx_import.check_source(proto, mcfg, mcfg.onnx.path)
+    onnx_import.check_source(proto, mcfg, mcfg.onnx.path, roles.get(mcfg.samples))
     run_feed, names = onnx_import.reference_session(proto, mcfg.layout, mcfg.dynamic.get("input", ()))
     outs = []
     for i, feed in enumerate(feeds):

@@ -20,14 +20,18 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline import paths, samples
 from pipeline.data import list_photos, load_rgb, load_set
-from pipeline.gates.detection import _iou
+from pipeline.gates.detection import box_iou
 from pipeline.gates.facemetrics import check
 from pipeline.vectors import as_l2
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 MATCH_IOU = 0.5         # a system face is the reference face's when their boxes overlap at least this much
 CHECKS = (("box_iou_min", ">=", "box_iou_min"), ("faces_missed", "<=", "faces_missed_max"),
@@ -35,7 +39,7 @@ CHECKS = (("box_iou_min", ">=", "box_iou_min"), ("faces_missed", "<=", "faces_mi
           ("decision_agreement", ">=", "decision_agreement_min"))
 
 
-def run_photos(system, cfg, root: Path) -> list[tuple[str, list, list]]:
+def run_photos(system, cfg: Config, root: Path) -> list[tuple[str, list, list]]:
     """(photo, matches with the whole gallery, matches leave-one-out) per pinned photo; `system` is enrolled."""
     gset = load_set(paths.data_set(samples.chip_set(cfg, cfg.system(system.system).embedder, "golden"), root))
     enrolled = [s["photo"] for s in gset.index["samples"] if s["augmentation"] is None]
@@ -54,7 +58,7 @@ def _pair(ref: list, got: list) -> list[tuple[int, int | None, float]]:
     used: set[int] = set()
     pairs = []
     for i, r in enumerate(ref):
-        cands = [(_iou(r.box, g.box), j) for j, g in enumerate(got) if j not in used]
+        cands = [(box_iou(r.box, g.box), j) for j, g in enumerate(got) if j not in used]
         iou, j = max(cands, default=(0.0, None))
         if j is not None and iou >= MATCH_IOU:
             used.add(j)
@@ -114,7 +118,7 @@ def gate(metrics: dict, limits) -> list[str]:
     return check(metrics, CHECKS, asdict(limits))
 
 
-def describe(cfg, name: str, picks: dict[str, str], refs: dict[str, dict]) -> dict:
+def describe(cfg: Config, name: str, picks: dict[str, str], refs: dict[str, dict]) -> dict:
     """system.json: what the system is — its engines by name and identity digest, its matching, and how it runs
     (pipeline/e2e.py `described`: detector settings, embedder, thresholds, preprocessing — what kiln_runtime reads
     back to run it) (`refs`: model → the engine's and its validation's manifest refs)."""

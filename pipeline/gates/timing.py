@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from pipeline.checkout import cli_env
 from pipeline import engines as engine_loader
 from pipeline.gates import benchgate
 from pipeline.roles.registry import synthetic_feed
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 ROUNDS = 5
 SLICES = 4           # visits of every variant per round (see `measure`)
@@ -167,7 +170,7 @@ def int8_gate(report: dict, engines: list, batches: tuple[int, ...], min_speedup
     return not_paying
 
 
-def measure_model(cfg, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
+def measure_model(cfg: Config, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
     mcfg, bcfg = cfg.model(model_name), cfg.bench
     engines = cfg.engines_of(model_name)
     inputs = {b: synthetic_feed(mcfg.samples, mcfg.input_shape, b) for b in bcfg.batches}

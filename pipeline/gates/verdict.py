@@ -5,6 +5,7 @@ validate@ on a built engine and by `kiln validate-release` on a downloaded regis
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import engines, paths, samples, targets
 from pipeline.errors import KilnError
@@ -12,8 +13,11 @@ from pipeline.gates.evaluate import NOT_RUN, Verdict, evaluate
 from pipeline.manifest import (atomic_dir, build_manifest, identity_digest, input_ref, manifest_path, read_manifest,
                                read_verified, write_json_atomic, write_manifest)
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def judge(cfg, engine_name: str, engine_dir: Path, engine_ref: dict, out: Path, root: Path = Path("."), *,
+
+def judge(cfg: Config, engine_name: str, engine_dir: Path, engine_ref: dict, out: Path, root: Path = Path("."), *,
           declaration) -> Verdict:
     """Gate the engine in `engine_dir` (verified before it is loaded) and write validation.json + its manifest to
     `out`, atomically. `engine_ref` is how the manifest names the engine (a path here; a registry version when

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -16,8 +17,11 @@ from pipeline.config import Recipe
 from pipeline.errors import KilnError
 from pipeline.quant.calibration import calibration_tensors, quantizable_op_types
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def pairs(cfg) -> dict[str, tuple[str, str]]:
+
+def pairs(cfg: Config) -> dict[str, tuple[str, str]]:
     """`<model>-<recipe>` → (model, recipe) for every quantized model × recipe."""
     return {f"{m}-{r}": (m, r) for m in cfg.quantize.models for r, recipe in cfg.recipes.items()
             if recipe.models is None or m in recipe.models}

@@ -15,11 +15,15 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.quant.calibration import differs
 from pipeline.quant.qdq import quantize_graph
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ def choose(trials: list[Trial], metric: str, sign: int) -> Trial:
     return trials[min(range(len(trials)), key=key)]
 
 
-def judge(cfg, model_name: str, pre: Path, candidates: dict[str, dict], minmax: dict, root: Path,
+def judge(cfg: Config, model_name: str, pre: Path, candidates: dict[str, dict], minmax: dict, root: Path,
           progress: Callable[[str], None] = print, label: str = "calibrate") -> list[Trial]:
     """Each candidate's INT8 model (recipe calibrate.select_recipe) through the model's face-task gate."""
     from pipeline.gates.evaluate import OnnxRunner, evaluate_model

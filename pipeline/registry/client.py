@@ -29,10 +29,13 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 from urllib.parse import urlsplit
 
 from pipeline.errors import KilnError
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 LOCK_SUFFIX = ".lock"
 LEASE_S = 30.0                    # a lock not renewed for this long belongs to a dead holder
@@ -45,7 +48,7 @@ def redact(text: str) -> str:
     return _CREDENTIALS.sub(r"\g<scheme>", str(text))
 
 
-def tracking_uri(cfg, root: Path = Path(".")) -> str:
+def tracking_uri(cfg: Config, root: Path = Path(".")) -> str:
     """`MLFLOW_TRACKING_URI` if set, else an absolute SQLite URI at `<root>/<register.sqlite_path>`."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
@@ -188,7 +191,7 @@ def quiet_mlflow_logs() -> None:
 class Registry:
     """One MLflow client bound to one tracking URI (also set process-wide: see the note in __init__)."""
 
-    def __init__(self, cfg, root: Path = Path(".")) -> None:
+    def __init__(self, cfg: Config, root: Path = Path(".")) -> None:
         self.uri = tracking_uri(cfg, root)
         self.timeout_s = cfg.register.timeout_s
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -379,7 +382,7 @@ class Registry:
             pass
 
 
-def registered_name(cfg, name: str) -> str:
+def registered_name(cfg: Config, name: str) -> str:
     """Accept the registered model name (kiln-<engine>, kiln-gallery-<size>) or the engine / gallery name."""
     from pipeline import paths
 

@@ -14,6 +14,9 @@ from pipeline import paths
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, write_json_atomic, write_manifest
 
 if TYPE_CHECKING:
+    from pipeline.config import Config
+
+if TYPE_CHECKING:
     from pipeline import stage
     from pipeline.registry import registration as reg
 
@@ -21,7 +24,7 @@ RECEIPT_FILE = "receipt.json"
 REPAIRED = "; its interrupted registration was completed (alias and history)"
 
 
-def write_receipt(cfg, spec: stage.Stage, key: str, art: reg.Registrable, receipt: reg.Receipt, root: Path) -> Path:
+def write_receipt(cfg: Config, spec: stage.Stage, key: str, art: reg.Registrable, receipt: reg.Receipt, root: Path) -> Path:
     out = paths.receipt(art.name, root)
     with atomic_dir(out) as d:
         write_json_atomic(d / RECEIPT_FILE, {"kind": art.kind, **receipt.content()})

@@ -9,7 +9,7 @@ metrics and the record of its build (git commit, host), and registered as a vers
   concurrent registrations of one engine make one version, on SQLite and on a tracking server alike.
 * The digests a version will be checked against (content, manifest, verdict manifest) are logged as run
   parameters, which MLflow never lets anyone change; tags are conveniences for search and display (the digest
-  tags must agree with those parameters: pipeline/registry/releases.py).
+  tags must agree with those parameters: pipeline/registry/aliases.py).
 * Bench results are per host class (pipeline/toolchain.py `host_class`): a version carries the tag `kiln.host_class`
   (the class of the host that benched it first), `kiln.host_classes` (every class with rows), and per class its rows:
   version tags and run metrics `bench.<host class>.<metric>` (b1_p50_ms, b8_speedup_vs_fp32, …) plus the tag
@@ -18,7 +18,7 @@ metrics and the record of its build (git commit, host), and registered as a vers
   version (still idempotent by content: no new version); a class that has rows keeps them — a rerun from the same
   class changes nothing, and no class's rows ever replace another's.
 * A registration killed half-way converges on the next `register` / `kiln registry sync`: its RUNNING runs are
-  marked KILLED, and a version created without its alias gets it, recorded (`_complete`).
+  marked KILLED, and a version created without its alias gets it, recorded (`complete_registration`).
 * Only a passing verdict makes a `candidate`. A `not-run` verdict (a build-only engine: no runtime on the build
   host) registers with alias `built`. A failed artifact is refused unless `allow_failed`, and is then registered
   without an alias, its verdict tag `fail`, with a warning.
@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline import paths
 from pipeline.dvcfiles import address
@@ -46,8 +46,11 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (artifact_digest, canonical_json, identity_digest, manifest_path, read_manifest,
                                verify_manifest, write_json_atomic)
 from pipeline.registry.client import Registry, errors, redact, registered_name
-from pipeline.registry.releases import (BUILT, CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, move_alias, moves,
-                                        now, settle)
+from pipeline.registry.aliases import (BUILT, CANDIDATE, KILN_DIR, PARAM, AliasMove, actor_name, move_alias, moves,
+                                       now, settle)
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 BENCH_FILE = "bench.json"
 RECORD_FILE = "build-record.json"
@@ -99,23 +102,23 @@ def _metric_key(name: str) -> str:
     return re.sub(r"[^/\w.\- ]", "_", name)
 
 
-def _metrics(prefix: str, values: dict[str, Any]) -> dict[str, float]:
+def numeric_metrics(prefix: str, values: dict[str, Any]) -> dict[str, float]:
     return {_metric_key(f"{prefix}.{k}"): float(v) for k, v in values.items()
             if not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)}
 
 
-def _flat(prefix: str, value: Any) -> dict[str, str]:
+def flat_params(prefix: str, value: Any) -> dict[str, str]:
     """Nested dict → {"a.b.c": str}; lists and other non-strings as canonical JSON (truncated to MLflow's limits)."""
     if isinstance(value, dict):
         out: dict[str, str] = {}
         for k, v in sorted(value.items()):
-            out.update(_flat(f"{prefix}.{k}" if prefix else str(k), v))
+            out.update(flat_params(f"{prefix}.{k}" if prefix else str(k), v))
         return out
     return {prefix: (value if isinstance(value, str) else canonical_json(value).decode())[:5000]}
 
 
 # ---------------------------------------------------------------------------------------------- what to register
-def engine_registrable(cfg, engine_name: str, root: Path = Path("."), host_class: str | None = None) -> Registrable:
+def engine_registrable(cfg: Config, engine_name: str, root: Path = Path("."), host_class: str | None = None) -> Registrable:
     """An engine as registration sees it, with its bench row when its model was benched. `host_class`: the class the
     bench belongs to; default the one the bench report names (the host that benched it), else the class of the ISA
     list it recorded (a report from before host classes)."""
@@ -143,7 +146,7 @@ def engine_registrable(cfg, engine_name: str, root: Path = Path("."), host_class
                        host_class if bench else None)
 
 
-def index_registrable(cfg, size: int, root: Path = Path(".")) -> Registrable:
+def index_registrable(cfg: Config, size: int, root: Path = Path(".")) -> Registrable:
     from pipeline.records import read_record
 
     cfg.matching.check_size(size)
@@ -194,7 +197,7 @@ def _check(art: Registrable, root: Path) -> tuple[dict, dict, dict]:
 
 
 # ---------------------------------------------------------------------------------------------- register
-def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool = False) -> Receipt:
+def register(cfg: Config, art: Registrable, root: Path = Path("."), allow_failed: bool = False) -> Receipt:
     """Register `art` once per content digest. A failed verdict is refused unless allowed."""
     root = Path(root)
     manifest, vmanifest, verdict = _check(art, root)
@@ -206,12 +209,12 @@ def register(cfg, art: Registrable, root: Path = Path("."), allow_failed: bool =
     with errors(reg.uri):
         with reg.lock(name):
             settle(reg, name)
-            _end_killed_runs(reg, cfg, art)
+            end_killed_runs(reg, cfg, art)
             existing = reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = '{digest}'")
             repaired, added = False, None
             if existing:
                 version, new = min(int(v.version) for v in existing), False
-                repaired = _complete(reg, name, art, version)
+                repaired = complete_registration(reg, name, art, version)
                 added = art.host_class if _add_host_rows(reg, name, version, art) else None
             else:
                 version, new = _log_and_register(reg, cfg, art, name, manifest, vmanifest, verdict, digest), True
@@ -235,7 +238,7 @@ def _host_rows(art: Registrable) -> tuple[dict[str, str], dict[str, float], dict
     """(version tags, run metrics, run parameters) of `art`'s bench on its host class: `bench.<class>.<metric>` and
     its verdict. The parameters (`kiln.bench.<class>.*`, immutable) are the record; tags and metrics display it."""
     hc = art.host_class
-    values = _metrics(f"bench.{hc}", art.metrics)
+    values = numeric_metrics(f"bench.{hc}", art.metrics)
     tags = {k: format(v, "g") for k, v in values.items()}
     tags[f"bench.{hc}.verdict"] = art.tags.get("bench_gate") or "not benched here"
     return tags, values, {PARAM + k: v for k, v in tags.items()}
@@ -278,7 +281,7 @@ def bench_disagreements(name: str, version: int, tags: dict[str, str], rows: dic
     return out
 
 
-def bench_rows(cfg, name: str, root: Path = Path(".")) -> tuple[list[dict[str, Any]], list[str]]:
+def bench_rows(cfg: Config, name: str, root: Path = Path(".")) -> tuple[list[dict[str, Any]], list[str]]:
     """Every version's bench rows of registered model `name` (or engine name), one per (version, host class), as
     each version's run recorded them — what `kiln history` shows per host class — and every tag that says
     otherwise (shown as a warning, never as a row)."""
@@ -331,7 +334,7 @@ def _alias_for(verdict: str, bench_gate: str | None) -> str | None:
     return None if bench_gate == "fail" else {"pass": CANDIDATE, "not-run": BUILT}.get(verdict)
 
 
-def _end_killed_runs(reg: Registry, cfg, art: Registrable) -> None:
+def end_killed_runs(reg: Registry, cfg: Config, art: Registrable) -> None:
     """Registration runs of `art` still RUNNING belong to a killed kiln (registrations of one model hold its lock):
     mark them KILLED, so the experiment shows no registration in progress."""
     eid = reg.experiment_id(cfg.register.experiment)
@@ -341,7 +344,7 @@ def _end_killed_runs(reg: Registry, cfg, art: Registrable) -> None:
         reg.client.set_terminated(run.info.run_id, "KILLED")
 
 
-def _complete(reg: Registry, name: str, art: Registrable, version: int) -> bool:
+def complete_registration(reg: Registry, name: str, art: Registrable, version: int) -> bool:
     """A version whose registration was killed after it was created has no alias and no record of getting it: give
     it the alias its registration would have (unless a newer version holds it already) and record it."""
     mv = reg.version(name, version)
@@ -362,7 +365,7 @@ def _complete(reg: Registry, name: str, art: Registrable, version: int) -> bool:
     return True
 
 
-def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest: dict, vmanifest: dict,
+def _log_and_register(reg: Registry, cfg: Config, art: Registrable, name: str, manifest: dict, vmanifest: dict,
                       verdict: dict, digest: str) -> int:
     client = reg.client
     eid = reg.experiment_id(cfg.register.experiment)
@@ -371,7 +374,7 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
     tags = {**art.tags, "kind": art.kind, "sha256": digest, "xxh3_128": ident, "validation": verdict["verdict"],
             "git_commit": str((record.get("git") or {}).get("commit", "unrecorded (restored from a cache)")),
             "dirty": str((record.get("git") or {}).get("dirty", "unknown")).lower(),
-            **_flat("toolchain", manifest.get("toolchain") or {})}
+            **flat_params("toolchain", manifest.get("toolchain") or {})}
     immutable = {PARAM + "artifact": art.name, PARAM + "kind": art.kind, PARAM + "sha256": digest,
                  PARAM + "manifest_xxh3_128": ident, PARAM + "validation_manifest_xxh3_128": vident,
                  PARAM + "verdict": verdict["verdict"], PARAM + "params_sha256": (manifest.get("params") or {}).get(
@@ -381,7 +384,7 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
     if benched:
         tags |= {"kiln.host_class": art.host_class, "kiln.host_classes": art.host_class}
         immutable |= row_params | {PARAM + "host_class": art.host_class}
-    params = {**immutable, **_flat("build", manifest.get("build") or {})}
+    params = {**immutable, **flat_params("build", manifest.get("build") or {})}
     for ref in manifest.get("inputs") or []:
         params[f"input.{ref.get('role', 'input')}"] = str(ref.get("xxh3_128", ""))
     run_tags = dict(tags)
@@ -400,9 +403,9 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
         if art.record:
             write_json_atomic(staged / KILN_DIR / RECORD_FILE, art.record)
 
-    metrics = {**_metrics("validation", verdict.get("metrics") or {}), **_metrics("bench", art.metrics), **row_metrics}
-    run_id, model_id = _log_model(client, eid, art.name, run_tags, tags, params, f"kiln-{art.kind}", stage, metrics)
-    _ensure_registered_model(client, name, {k: art.tags[k] for k in art.tags if k in
+    metrics = {**numeric_metrics("validation", verdict.get("metrics") or {}), **numeric_metrics("bench", art.metrics), **row_metrics}
+    run_id, model_id = log_model(client, eid, art.name, run_tags, tags, params, f"kiln-{art.kind}", stage, metrics)
+    ensure_registered_model(client, name, {k: art.tags[k] for k in art.tags if k in
                                             ("model", "target", "precision", "gallery")} | {"kind": art.kind},
                              f"Kiln {art.kind} {art.name}")
     # = mlflow.register_model(f"models:/{model_id}", name, tags=tags), minus its global client and its chatter
@@ -415,7 +418,7 @@ def _log_and_register(reg: Registry, cfg, art: Registrable, name: str, manifest:
     return version
 
 
-def _log_model(client, eid: str, name: str, run_tags: dict, tags: dict, params: dict, model_type: str,
+def log_model(client, eid: str, name: str, run_tags: dict, tags: dict, params: dict, model_type: str,
                stage: Callable[[Path], None], metrics: dict[str, float]) -> tuple[str, str]:
     """One MLflow run that logs one model named `name`: its params, the files `stage(folder)` puts into a fresh
     staging folder, its metrics. The run ends FINISHED and the model READY — or, if anything raises, both FAILED
@@ -449,7 +452,7 @@ def _log_model(client, eid: str, name: str, run_tags: dict, tags: dict, params: 
     return run_id, model_id
 
 
-def _ensure_registered_model(client, name: str, tags: dict, description: str) -> None:
+def ensure_registered_model(client, name: str, tags: dict, description: str) -> None:
     """Create the registered model `name` unless it exists (a second registration, or a concurrent one)."""
     from mlflow.exceptions import MlflowException
 

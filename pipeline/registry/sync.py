@@ -1,7 +1,7 @@
 """`kiln registry sync`: register every built, validated engine and chosen index, what a new or lost registry needs.
 
 Each artifact is registered by its own stage's `run` (register@<engine>, register-index@<size>), loaded by name as
-`kiln <stage>` loads a stage (pipeline/cli.py), so the receipt sync writes is the one `dvc repro` writes and the
+`kiln <stage>` loads a stage (pipeline/cli/parser.py), so the receipt sync writes is the one `dvc repro` writes and the
 engine's bench gate applies. Idempotent by content (pipeline/registry/registration.py).
 """
 
@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths
 from pipeline.errors import GateFailed
 from pipeline.registry import registration as reg
 from pipeline.registry.receipts import REPAIRED
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 def _run(module: str):
@@ -21,7 +25,7 @@ def _run(module: str):
     return importlib.import_module(f"pipeline.stages.{module}").run
 
 
-def sync(cfg, root: Path = Path("."), progress=print) -> list[reg.Receipt]:
+def sync(cfg: Config, root: Path = Path("."), progress=print) -> list[reg.Receipt]:
     """Register every built, validated engine and chosen index (idempotent): what a new or lost registry needs.
     Artifacts not built here, or whose verdict is a failure, are reported and skipped."""
     out = []

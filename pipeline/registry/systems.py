@@ -13,7 +13,7 @@
   the same pins is the same version, under the system's registry lock. A passing system becomes `candidate`; a failed
   one is refused unless `allow_failed` (registered without an alias).
 
-`promote` proves the version before anything moves: its binding (releases.py `_binding`), every stored file against
+`promote` proves the version before anything moves: its binding (aliases.py `logged_binding`), every stored file against
 the stored manifest and the registered digests, the pins against the stored system.json, the system gate from the
 verified verdict.json, and each part as `check_version` does (its stored, digest-checked verdict). When the system's
 embedder engine differs from the production system's, the candidate is measured against the gallery production
@@ -37,7 +37,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln_runtime.release import PARTS_FILE, Part, registered  # noqa: F401 — a system version as a deployment reads it
 from kiln_runtime.release import parts_doc as _parts_doc
@@ -48,13 +48,17 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (artifact_digest, check_files, identity_digest, manifest_path,
                                read_manifest, verify_manifest)
 from pipeline.registry.client import Registry, errors, redact, registered_name
-from pipeline.registry.registration import (_complete, _end_killed_runs, _ensure_registered_model, _flat, _log_model,
-                                            _metrics)
-from pipeline.registry.releases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, Verified, _binding,
-                                        _gate, _move, _not_faster_note, actor_name, download_verified, move_alias,
-                                        now, pins, production_pins, recorded, retire, rollback_target, settle)
+from pipeline.registry.registration import (complete_registration, end_killed_runs, ensure_registered_model,
+                                            flat_params, log_model, numeric_metrics)
+from pipeline.registry.aliases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, Verified, logged_binding,
+                                       gate_verified, record_move, not_faster_note, actor_name, download_verified,
+                                       move_alias, now, pins, production_pins, recorded, retire, rollback_target,
+                                       settle)
 
-PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name> (releases.SYSTEMS)
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+PREFIX = "system-"            # the run's artifact name: registered as kiln-system-<name> (aliases.SYSTEMS)
 COMPAT = "gallery_compat"     # a system move's record of its gallery check: parameters kiln.gallery_compat.*
 PART_KEYS = ("registered_model", "version", "xxh3_128", "sha256", "gated_xxh3_128")
 
@@ -88,7 +92,7 @@ class SystemMove:
 
 
 # ---------------------------------------------------------------------------------------------- the local system
-def _local(cfg, system: str, root: Path) -> tuple[dict, dict, dict]:
+def _local(cfg: Config, system: str, root: Path) -> tuple[dict, dict, dict]:
     """(manifest, system.json, verdict.json) of system@<system>'s output, verified and current with params.yaml."""
     from pipeline.e2e import resolve
 
@@ -113,7 +117,7 @@ def _local(cfg, system: str, root: Path) -> tuple[dict, dict, dict]:
     return manifest, described, verdict
 
 
-def _pins(reg: Registry, cfg, system: str, described: dict, root: Path) -> list[Part]:
+def _pins(reg: Registry, cfg: Config, system: str, described: dict, root: Path) -> list[Part]:
     """Each engine of the system, pinned to the registered version of exactly the bytes system@ gated: engines are
     registered once per content digest, so a rebuild by other code (same bytes, a new manifest) pins the version
     its first build registered."""
@@ -139,7 +143,7 @@ def _pins(reg: Registry, cfg, system: str, described: dict, root: Path) -> list[
 
 
 # ---------------------------------------------------------------------------------------------- register
-def register_system(cfg, system: str, root: Path = Path("."), allow_failed: bool = False) -> SystemReceipt:
+def register_system(cfg: Config, system: str, root: Path = Path("."), allow_failed: bool = False) -> SystemReceipt:
     """Register system `system` once per content (manifest + pins); a failed system gate is refused unless allowed."""
     root, system = Path(root), system_name(system)
     manifest, described, verdict = _local(cfg, system, root)
@@ -153,11 +157,11 @@ def register_system(cfg, system: str, root: Path = Path("."), allow_failed: bool
         art = SimpleNamespace(name=PREFIX + system)          # what registration's repair helpers read
         with reg.lock(name):
             settle(reg, name)
-            _end_killed_runs(reg, cfg, art)
+            end_killed_runs(reg, cfg, art)
             existing = reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = '{digest}'")
             if existing:
                 version, new = min(int(v.version) for v in existing), False
-                _complete(reg, name, art, version)
+                complete_registration(reg, name, art, version)
             else:
                 version, new = _log(reg, cfg, system, root, manifest, described, verdict, parts, digest), True
     if new and verdict.get("verdict") != "pass":
@@ -166,7 +170,7 @@ def register_system(cfg, system: str, root: Path = Path("."), allow_failed: bool
     return SystemReceipt(name, version, digest, new, str(verdict.get("verdict")), tuple(parts), redact(reg.uri))
 
 
-def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described: dict, verdict: dict,
+def _log(reg: Registry, cfg: Config, system: str, root: Path, manifest: dict, described: dict, verdict: dict,
          parts: list[Part], digest: str) -> int:
     import shutil
 
@@ -186,8 +190,8 @@ def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described:
               PARAM + "sha256": digest, PARAM + "manifest_xxh3_128": ident, PARAM + "verdict": tags["validation"],
               PARAM + "parts_sha256": hashlib.sha256(parts_doc).hexdigest(),
               **{f"{PARAM}part.{p.model}.{k}": str(getattr(p, k)) for p in parts for k in PART_KEYS},
-              **_flat("thresholds", described.get("thresholds") or {}),
-              **_flat("preprocessing", described.get("preprocessing") or {})}
+              **flat_params("thresholds", described.get("thresholds") or {}),
+              **flat_params("preprocessing", described.get("preprocessing") or {})}
     d = paths.system(system, root)
 
     def stage(staged: Path) -> None:    # copies, never links: the artifact store must not share the checkout's inodes
@@ -196,9 +200,9 @@ def _log(reg: Registry, cfg, system: str, root: Path, manifest: dict, described:
         (staged / KILN_DIR).mkdir()
         (staged / KILN_DIR / PARTS_FILE).write_bytes(parts_doc)
 
-    run_id, model_id = _log_model(client, eid, artifact, tags, tags, params, "kiln-system", stage,
-                                  _metrics("system", verdict.get("metrics") or {}))
-    _ensure_registered_model(client, name, {"kind": "system", "system": system}, f"Kiln face system {system}")
+    run_id, model_id = log_model(client, eid, artifact, tags, tags, params, "kiln-system", stage,
+                                  numeric_metrics("system", verdict.get("metrics") or {}))
+    ensure_registered_model(client, name, {"kind": "system", "system": system}, f"Kiln face system {system}")
     mv = client.create_model_version(name, source=f"models:/{model_id}", run_id=run_id, tags=tags, model_id=model_id)
     version = int(mv.version)
     if verdict.get("verdict") == "pass":
@@ -237,7 +241,7 @@ def download_system(reg: Registry, name: str, version: int, dst: Path) -> Verifi
     if missing:
         raise GateFailed(f"{name} v{version}: its run has no system parameter {PARAM}{missing[0]}; it was not "
                          "registered by kiln register-system", "register the system again (kiln register-system NAME)")
-    model_id = _binding(reg, name, version, mv, params)
+    model_id = logged_binding(reg, name, version, mv, params)
     local = Path(download_artifacts(artifact_uri=f"models:/{model_id}", dst_path=str(dst),
                                     tracking_uri=reg.engine_uri, registry_uri=reg.engine_uri))
     system = paths.slug(params[PARAM + "system"], "system")
@@ -287,7 +291,7 @@ def download_system(reg: Registry, name: str, version: int, dst: Path) -> Verifi
     return VerifiedSystem(local, system, manifest, described, verdict, parts)
 
 
-def _prove(reg: Registry, name: str, version: int, scratch: Path) -> tuple[VerifiedSystem, str, dict[str, Verified]]:
+def prove_system(reg: Registry, name: str, version: int, scratch: Path) -> tuple[VerifiedSystem, str, dict[str, Verified]]:
     """Gate one system version for production: verified, its system gate passed, every part's stored verdict too.
     Each part stays downloaded and verified under `scratch` (model → Verified): what a release ships and
     `identify --release` runs, never downloaded twice."""
@@ -303,13 +307,13 @@ def _prove(reg: Registry, name: str, version: int, scratch: Path) -> tuple[Verif
             raise GateFailed(f"{name} v{version}: its part {p.registered_model} v{p.version} is no longer the build "
                              "the system pinned", "register the system again (kiln register-system)")
         parts[p.model] = download_verified(reg, p.registered_model, p.version, scratch / "parts" / p.engine)
-        _gate(reg, p.registered_model, p.version, parts[p.model], scratch / "attached" / p.engine)   # = check_version
+        gate_verified(reg, p.registered_model, p.version, parts[p.model], scratch / "attached" / p.engine)   # = check_version
     return v, (f"system gate pass (stored, digest-checked); {len(v.parts)} parts' validations pass (stored, "
                "digest-checked)"), parts
 
 
 # ---------------------------------------------------------------------------------------------- gallery
-def gallery_check(cfg, reg: Registry, candidate: VerifiedSystem, production: VerifiedSystem | None, root: Path,
+def gallery_check(cfg: Config, reg: Registry, candidate: VerifiedSystem, production: VerifiedSystem | None, root: Path,
                   scratch: Path):
     """The candidate's embedder against the gallery production's embedder enrolled (None: no production system, or
     the same embedder build)."""
@@ -367,12 +371,12 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
         part_moves = []
         for p in v.parts:
             why = f"{action} of system {v.system} v{version}" + (f": {reason}" if reason else "")
-            part_moves.append(_move(reg, p.registered_model, p.version, action, actor,
-                                    _not_faster_note(reg, p.registered_model, p.version, why), summary))
+            part_moves.append(record_move(reg, p.registered_model, p.version, action, actor,
+                                    not_faster_note(reg, p.registered_model, p.version, why), summary))
         others = {p.registered_model for p in production_pins(reg) if p.system != name}
         retired = [m for part in sorted(old - mine - others) if (m := retire(
             reg, part, actor, f"{action} of system {v.system} v{version}: no production system runs it any more"))]
-        m = _move(reg, name, version, action, actor, text, summary, _compat_record(compat, current, re_enroll))
+        m = record_move(reg, name, version, action, actor, text, summary, _compat_record(compat, current, re_enroll))
     if m.changed and compat is not None:          # the record's own tags, beside its reason (display)
         run_id = (reg.version(name, version).tags or {}).get(f"{PRODUCTION}_release_run")
         if run_id:
@@ -382,21 +386,21 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
                       tuple(retired))
 
 
-def _require(reg: Registry, name: str) -> None:
+def require_model(reg: Registry, name: str) -> None:
     try:
         reg.require_model(name)
     except KilnError as e:
         raise KilnError(e.message, f"register it first: kiln register-system {system_name(name)}") from None
 
 
-def _version(version: int | str) -> int:
+def version_number(version: int | str) -> int:
     try:
         return int(str(version).removeprefix("v"))
     except ValueError:
         raise KilnError(f"version must be a number, got {version!r}", "e.g. kiln promote --system NAME 3") from None
 
 
-def _compat_gate(cfg, reg, name: str, version: int, v: VerifiedSystem, current: int | None, root: Path,
+def _compat_gate(cfg: Config, reg, name: str, version: int, v: VerifiedSystem, current: int | None, root: Path,
                  scratch: Path, re_enroll: bool, action: str):
     prod = None if current is None or current == version else download_system(reg, name, current,
                                                                               scratch / f"system-v{current}")
@@ -458,37 +462,37 @@ def enrolments(reg: Registry, name: str, version: int, embedder_xxh3_128: str | 
     return out
 
 
-def promote(cfg, system: str, version: int | str, root: Path = Path("."), actor: str | None = None,
+def promote(cfg: Config, system: str, version: int | str, root: Path = Path("."), actor: str | None = None,
             reason: str | None = None, re_enroll: bool = False) -> SystemMove:
     """Move the system's `production`, and every part's, to `version` after proving it (module doc)."""
-    name, version, root = registered(system), _version(version), Path(root)
+    name, version, root = registered(system), version_number(version), Path(root)
     reg = Registry(cfg, root)
     with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-system-") as tmp:
-        _require(reg, name)
+        require_model(reg, name)
         with reg.lock(name):
             settle(reg, name)
-            v, summary, _ = _prove(reg, name, version, Path(tmp))
+            v, summary, _ = prove_system(reg, name, version, Path(tmp))
             current = reg.aliases(name).get(PRODUCTION)
             compat = _compat_gate(cfg, reg, name, version, v, current, root, Path(tmp), re_enroll, "promote")
             return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll, current)
 
 
-def rollback(cfg, system: str, root: Path = Path("."), actor: str | None = None, reason: str | None = None,
+def rollback(cfg: Config, system: str, root: Path = Path("."), actor: str | None = None, reason: str | None = None,
              re_enroll: bool = False) -> SystemMove:
     """Move the system back to the production version it held before the current one, every part at once."""
     name, root = registered(system), Path(root)
     reg = Registry(cfg, root)
     with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-system-") as tmp:
-        _require(reg, name)
+        require_model(reg, name)
         with reg.lock(name):
             settle(reg, name)
             current, target = rollback_target(reg, name, f"kiln promote --system {system_name(name)}")
-            v, summary, _ = _prove(reg, name, target, Path(tmp))
+            v, summary, _ = prove_system(reg, name, target, Path(tmp))
             compat = _compat_gate(cfg, reg, name, target, v, current, root, Path(tmp), re_enroll, "roll back")
             return _move_all(reg, name, target, v, "rollback", actor, reason, summary, compat, re_enroll, current)
 
 
-def versions(cfg, system: str, root: Path = Path(".")) -> tuple[list[dict[str, Any]], list[str]]:
+def versions(cfg: Config, system: str, root: Path = Path(".")) -> tuple[list[dict[str, Any]], list[str]]:
     """Every version of the system as its run recorded it — verdict, embedder, parts (run parameters) and the
     gallery check its newest production move made (that move's parameters) — and every tag that says otherwise
     (for a warning: tags are display, anyone with registry write access can edit them)."""
@@ -519,7 +523,7 @@ def versions(cfg, system: str, root: Path = Path(".")) -> tuple[list[dict[str, A
     return rows, forged
 
 
-def fetch_production(cfg, system: str, dst: Path, root: Path = Path(".")
+def fetch_production(cfg: Config, system: str, dst: Path, root: Path = Path(".")
                      ) -> tuple[int, VerifiedSystem, dict[str, Path]]:
     """The production version of face system `system` — the one truth of what production runs — proven as promote
     proves it, and each part's pinned version downloaded into `dst` and verified: (version, the system, model →
@@ -527,14 +531,14 @@ def fetch_production(cfg, system: str, dst: Path, root: Path = Path(".")
     name, root, dst = registered(system), Path(root), Path(dst)
     reg = Registry(cfg, root)
     with errors(reg.uri):
-        _require(reg, name)
+        require_model(reg, name)
         with reg.lock(name):
             settle(reg, name)
             version = reg.aliases(name).get(PRODUCTION)
             if version is None:
                 raise KilnError(f"{name}: no production version; production is what a face system's production "
                                 "version pins", f"promote one first: kiln promote --system {system_name(name)} VERSION")
-            v, _, parts = _prove(reg, name, version, dst)
+            v, _, parts = prove_system(reg, name, version, dst)
     return version, v, {model: part.directory for model, part in parts.items()}
 
 

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.roles.base import Feed, Role
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 class Aligner(Role):
@@ -25,30 +29,30 @@ class Aligner(Role):
     limits_section = "aligner"
     checks = (("pixel_mae", "<=", "pixel_mae_max"), ("pixel_max_abs", "<=", "pixel_max_abs_max"))
 
-    def deps(self, cfg, model: str, set_name: str) -> list[str]:
-        from pipeline import samples
+    def deps(self, cfg: Config, model: str, set_name: str) -> list[str]:
+        from pipeline.roles import inputs
 
-        return samples.reference_deps(cfg)
+        return inputs.reference_deps(cfg)
 
-    def params(self, cfg, model: str) -> list[str]:
-        from pipeline import samples
+    def params(self, cfg: Config, model: str) -> list[str]:
+        from pipeline.roles import inputs
 
-        return [*samples.REFERENCE_PARAMS, "data.template"]
+        return [*inputs.REFERENCE_PARAMS, "data.template"]
 
-    def manifest_inputs(self, cfg, model: str, set_name: str, root: Path) -> list[dict]:
-        from pipeline import samples
+    def manifest_inputs(self, cfg: Config, model: str, set_name: str, root: Path) -> list[dict]:
+        from pipeline.roles import inputs
 
-        return samples.reference_inputs(cfg, root)
+        return inputs.reference_inputs(cfg, root)
 
-    def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
+    def stream(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
         """One feed per photo with faces, whatever `batch` (the faces of a photo are its batch)."""
-        from pipeline import samples
+        from pipeline.roles import inputs
         from pipeline.models import mtcnn
         from pipeline.models.align import chip_transform
 
-        nets, det_cfg = samples.reference_detector(cfg, root)
+        nets, det_cfg = inputs.reference_detector(cfg, root)
         template = np.asarray(cfg.data.template)
-        for rgb in samples.photo_variants(cfg, set_name, root):
+        for rgb in inputs.photo_variants(cfg, set_name, root):
             faces = mtcnn.detect(rgb, *nets, det_cfg)
             if faces:
                 theta = np.stack([chip_transform(f.landmarks, template) for f in faces])

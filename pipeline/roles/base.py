@@ -4,7 +4,7 @@
     task                what the graph does in a face system: embed | detect (a single-shot detector) | cascade (an
                         MTCNN net) | align; config.py checks model options and systems by it
     feed_names          the named inputs of every feed
-    deps / params / manifest_inputs / stream / feeds   its feeds (pipeline/samples.py dispatches to these): what they
+    deps / params / manifest_inputs / stream / feeds   its feeds (pipeline/inputs.py dispatches to these): what they
                         read, the params keys they depend on, their manifest inputs, and the feeds themselves
     random_feed(shape, batch, seed)   a synthetic feed in the inputs' real value range (bench@, cold start)
     golden(cfg, model, outs, root) → (arrays, summary)   what golden@ writes beside the reference outputs
@@ -32,16 +32,16 @@ import importlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 Feed = dict[str, np.ndarray]
 TASKS = ("embed", "detect", "cascade", "align")
 CHECK = "pipeline.gates.facemetrics:check"      # (metrics, checks, limits) → failure lines
-# The detector gate (params.yaml validate.detector) every face detector passes: (metric, comparison, limit key)
-DETECTOR_CHECKS = (("box_iou_min", ">=", "box_iou_min"), ("landmark_err_max", "<=", "landmark_err_max"),
-                   ("face_agreement", ">=", "face_agreement_min"), ("photos_with_other_face_count", "<=", "none"))
 
 
 def by_name(ref: str) -> Any:
@@ -75,7 +75,7 @@ class Role:
     key_metric: str = ""
     direction: int = 1
     accuracy_label: str = ""
-    metrics: str = ""             # "module:function" (cfg, model, runner, root) → metrics dict
+    metrics: str = ""             # "module:function" (cfg, model, runner, root, role) → metrics dict
     limits_section: str = ""      # params.yaml validate.<section>
     checks: tuple[tuple[str, str, str], ...] = ()
     fixed_limits: tuple[tuple[str, float], ...] = ()   # limits that are not params (detectors: none = 0)
@@ -84,28 +84,28 @@ class Role:
         return f"<role {self.name}>"
 
     # ------------------------------------------------------------------ feeds
-    def deps(self, cfg, model: str, set_name: str) -> list[str]:
-        from pipeline import samples
+    def deps(self, cfg: Config, model: str, set_name: str) -> list[str]:
+        from pipeline.roles import inputs
 
-        return samples.photo_deps(cfg)
+        return inputs.photo_deps(cfg)
 
-    def params(self, cfg, model: str) -> list[str]:
-        from pipeline import samples
+    def params(self, cfg: Config, model: str) -> list[str]:
+        from pipeline.roles import inputs
 
-        return list(samples.PHOTO_PARAMS)
+        return list(inputs.PHOTO_PARAMS)
 
-    def manifest_inputs(self, cfg, model: str, set_name: str, root: Path) -> list[dict]:
-        from pipeline import samples
+    def manifest_inputs(self, cfg: Config, model: str, set_name: str, root: Path) -> list[dict]:
+        from pipeline.roles import inputs
 
-        return samples.photo_inputs(cfg, root)
+        return inputs.photo_inputs(cfg, root)
 
-    def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
+    def stream(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
         raise NotImplementedError(f"role {self.name}: no feed builder")
 
-    def feeds(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Sequence[Feed]:
-        from pipeline import samples
+    def feeds(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Sequence[Feed]:
+        from pipeline.roles import inputs
 
-        return samples.held(model, set_name, self.stream(cfg, model, set_name, root, batch))
+        return inputs.held(model, set_name, self.stream(cfg, model, set_name, root, batch))
 
     def random_feed(self, input_shape: tuple[int, ...], batch: int, seed: int = 0) -> Feed:
         low, high = self.feed_range
@@ -113,7 +113,7 @@ class Role:
         return {"input": rng.uniform(low, high, (batch, *input_shape)).astype(np.float32)}
 
     # ------------------------------------------------------------------ golden reference, export, import, decode
-    def golden(self, cfg, model: str, outs: list[list[np.ndarray]], root: Path) -> tuple[dict[str, np.ndarray], dict]:
+    def golden(self, cfg: Config, model: str, outs: list[list[np.ndarray]], root: Path) -> tuple[dict[str, np.ndarray], dict]:
         return {}, {}
 
     def check_outputs(self, ranks: list[int]) -> str | None:
@@ -135,20 +135,32 @@ class Role:
         raise NotImplementedError(f"role {self.name} is not a single-shot detector")
 
     # ------------------------------------------------------------------ gate
-    def measure(self, cfg, model: str, runner, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        return by_name(self.metrics)(cfg, model, runner, root), {}
+    def measure(self, cfg: Config, model: str, runner, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        return by_name(self.metrics)(cfg, model, runner, root, self), {}
 
     def gate_checks(self) -> tuple[tuple[str, str, str], ...]:
         """(metric, comparison, limit key) for every metric the gate reads."""
         return self.checks
 
-    def gate(self, cfg, metrics: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    def gate(self, cfg: Config, metrics: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         typed = {**asdict(getattr(cfg.validate, self.limits_section)), **dict(self.fixed_limits)}
         return by_name(CHECK)(metrics, self.gate_checks(), typed), cfg.section("validate", self.limits_section)
 
-    def gate_inputs(self, cfg, model: str, root: Path) -> list[dict]:
+    def gate_inputs(self, cfg: Config, model: str, root: Path) -> list[dict]:
         return []
 
     def gate_code(self) -> list[str]:
         """The modules of the metric code this role calls by name (a gating stage's `dynamic`)."""
         return sorted({ref.partition(":")[0] for ref in (self.metrics, CHECK) if ref})
+
+
+class DetectorRole(Role):
+    """A face detector (MTCNN's cascade or a whole-photo detector): the detector gate every face detector passes —
+    params.yaml `validate.detector` over these (metric, comparison, limit key), and no face where the reference
+    found none."""
+
+    key_metric, direction, accuracy_label = "box_iou_min", 1, "box IoU min"
+    limits_section = "detector"
+    checks = (("box_iou_min", ">=", "box_iou_min"), ("landmark_err_max", "<=", "landmark_err_max"),
+              ("face_agreement", ">=", "face_agreement_min"), ("photos_with_other_face_count", "<=", "none"))
+    fixed_limits = (("none", 0),)

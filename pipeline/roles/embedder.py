@@ -1,7 +1,7 @@
 """The embedder role (`samples: chips`): aligned face chips → one vector each.
 
 Feeds: batches of chips from the golden / calibration image set (artifacts/data/<set>, or <set>-<model> for a model
-with its own `preprocess` geometry), made into the model's input by `samples.chip_input` (channel order, mean, std)
+with its own `preprocess` geometry), made into the model's input by `inputs.chip_input` (channel order, mean, std)
 batch by batch, so a large set never sits in memory as float32. golden@ also writes every chip's embedding
 (`embeddings.npy`) and how far same- and different-identity chips lie apart. The gate compares the engine's
 embeddings with those: cosine and L2 per chip, identity top-1 through the golden gallery, same/different decisions
@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pipeline.roles.base import CHECK, Feed, Outputs, Role, by_name
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 BATCH = 8                  # chips per engine call in the gate
 FACE_METRICS = "pipeline.gates.facemetrics:face_metrics"
@@ -47,13 +50,13 @@ class ChipFeeds(Sequence):
         return -(-len(self.chips) // self.batch)
 
     def __getitem__(self, i: int) -> Feed:
-        from pipeline import samples
+        from pipeline.roles import inputs
         from pipeline.data import to_nchw
 
         if not 0 <= i < len(self):
             raise IndexError(i)
         chips = self.chips[i * self.batch:(i + 1) * self.batch]
-        return {"input": to_nchw(chips) if self.mcfg is None else samples.chip_input(self.mcfg, chips)}
+        return {"input": to_nchw(chips) if self.mcfg is None else inputs.chip_input(self.mcfg, chips)}
 
 
 class Embedder(Role):
@@ -65,36 +68,39 @@ class Embedder(Role):
     metrics = FACE_METRICS
 
     @staticmethod
-    def _set(cfg, model: str, set_name: str, root: Path):
-        from pipeline import paths, samples
+    def _set(cfg: Config, model: str, set_name: str, root: Path):
+        from pipeline import paths
+        from pipeline.roles import inputs
         from pipeline.data import load_set
 
-        return load_set(paths.data_set(samples.chip_set(cfg, model, set_name), root))
+        return load_set(paths.data_set(inputs.chip_set(cfg, model, set_name), root))
 
     # ------------------------------------------------------------------ feeds
-    def deps(self, cfg, model: str, set_name: str) -> list[str]:
-        from pipeline import paths, samples
+    def deps(self, cfg: Config, model: str, set_name: str) -> list[str]:
+        from pipeline import paths
+        from pipeline.roles import inputs
 
-        return [paths.data_set(samples.chip_set(cfg, model, set_name)).as_posix()]
+        return [paths.data_set(inputs.chip_set(cfg, model, set_name)).as_posix()]
 
-    def params(self, cfg, model: str) -> list[str]:
+    def params(self, cfg: Config, model: str) -> list[str]:
         return []
 
-    def manifest_inputs(self, cfg, model: str, set_name: str, root: Path) -> list[dict]:
-        from pipeline import paths, samples
+    def manifest_inputs(self, cfg: Config, model: str, set_name: str, root: Path) -> list[dict]:
+        from pipeline import paths
+        from pipeline.roles import inputs
         from pipeline.manifest import input_ref, manifest_path
 
-        key = samples.chip_set(cfg, model, set_name)
+        key = inputs.chip_set(cfg, model, set_name)
         return [input_ref(f"{set_name}_set", manifest_path(paths.data_set(key, root), key), root)]
 
-    def feeds(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Sequence[Feed]:
+    def feeds(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Sequence[Feed]:
         return ChipFeeds(self._set(cfg, model, set_name, root).chips, batch, cfg.model(model))
 
-    def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
+    def stream(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
         yield from self.feeds(cfg, model, set_name, root, batch)
 
     # ------------------------------------------------------------------ golden reference
-    def golden(self, cfg, model: str, outs: list[list[np.ndarray]], root: Path) -> tuple[dict[str, np.ndarray], dict]:
+    def golden(self, cfg: Config, model: str, outs: list[list[np.ndarray]], root: Path) -> tuple[dict[str, np.ndarray], dict]:
         """Every chip's embedding, and the L2 ranges of same / different identities (cosine models: unit vectors)."""
         from pipeline.vectors import as_l2
 
@@ -108,27 +114,28 @@ class Embedder(Role):
             "all_chips": pair_distances(unit, gset.labels), "golden_set_xxh3_128": gset.content_hash}
 
     # ------------------------------------------------------------------ gate
-    def measure(self, cfg, model: str, runner, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    def measure(self, cfg: Config, model: str, runner, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """The engine's embeddings of every golden chip vs golden@'s; extra: the golden set's content hash."""
-        from pipeline import paths, samples
+        from pipeline import paths
+        from pipeline.roles import inputs
 
         mcfg = cfg.model(model)
         gset = self._set(cfg, model, "golden", root)
         ref = np.load(paths.golden(model, root) / "embeddings.npy", allow_pickle=False)
-        x = samples.chip_input(mcfg, gset.chips)
+        x = inputs.chip_input(mcfg, gset.chips)
         got = np.concatenate([runner.run(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
         gallery = np.array([s["augmentation"] is None for s in gset.index["samples"]])
         metrics = by_name(self.metrics)(got, ref, gset.labels, np.flatnonzero(gallery), mcfg.verify_threshold,
                                         mcfg.metric)
         return metrics, {"golden_set_xxh3_128": gset.content_hash}
 
-    def gate_inputs(self, cfg, model: str, root: Path) -> list[dict]:
+    def gate_inputs(self, cfg: Config, model: str, root: Path) -> list[dict]:
         return self.manifest_inputs(cfg, model, "golden", root)
 
     def gate_checks(self) -> tuple[tuple[str, str, str], ...]:
         return tuple(by_name(EMBEDDER_GATE))
 
-    def gate(self, cfg, metrics: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    def gate(self, cfg: Config, metrics: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
         """Against params.yaml `validate:`'s own limits (its sections are the other roles')."""
         from dataclasses import asdict
 

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.roles.base import DETECTOR_CHECKS, Feed, Role, by_name
+from pipeline.roles.base import DetectorRole, Feed, by_name
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 def _rebatch(per_photo: Iterator[list[Feed]], batch: int) -> Iterator[Feed]:
@@ -29,13 +32,9 @@ def _rebatch(per_photo: Iterator[list[Feed]], batch: int) -> Iterator[Feed]:
             yield {"input": x[i:i + batch]}
 
 
-class MtcnnNet(Role):
+class MtcnnNet(DetectorRole):
     task = "cascade"
-    key_metric, direction, accuracy_label = "box_iou_min", 1, "box IoU min"
-    metrics = "pipeline.gates.detection:detector_metrics"     # (cfg, net, runner, root)
-    limits_section = "detector"
-    checks = DETECTOR_CHECKS
-    fixed_limits = (("none", 0),)
+    metrics = "pipeline.gates.detection:detector_metrics"     # (cfg, net, runner, root, role)
 
     def __init__(self, name: str, index: int, crop: int | None) -> None:
         self.name = name
@@ -44,29 +43,29 @@ class MtcnnNet(Role):
         self.crop_fed = crop is not None
 
     # ------------------------------------------------------------------ feeds: the reference detector on the photos
-    def deps(self, cfg, model: str, set_name: str) -> list[str]:
-        from pipeline import samples
+    def deps(self, cfg: Config, model: str, set_name: str) -> list[str]:
+        from pipeline.roles import inputs
 
-        return samples.reference_deps(cfg)
+        return inputs.reference_deps(cfg)
 
-    def params(self, cfg, model: str) -> list[str]:
-        from pipeline import samples
+    def params(self, cfg: Config, model: str) -> list[str]:
+        from pipeline.roles import inputs
 
-        return list(samples.REFERENCE_PARAMS)
+        return list(inputs.REFERENCE_PARAMS)
 
-    def manifest_inputs(self, cfg, model: str, set_name: str, root: Path) -> list[dict]:
-        from pipeline import samples
+    def manifest_inputs(self, cfg: Config, model: str, set_name: str, root: Path) -> list[dict]:
+        from pipeline.roles import inputs
 
-        return samples.reference_inputs(cfg, root)
+        return inputs.reference_inputs(cfg, root)
 
-    def captured(self, cfg, set_name: str, root: Path) -> Iterator[list[Feed]]:
+    def captured(self, cfg: Config, set_name: str, root: Path) -> Iterator[list[Feed]]:
         """Per photo variant: every input this net receives while the reference detector runs on it."""
-        from pipeline import samples
+        from pipeline.roles import inputs
         from pipeline.models import mtcnn
 
-        nets, det_cfg = samples.reference_detector(cfg, root)
+        nets, det_cfg = inputs.reference_detector(cfg, root)
         k = self.index
-        for rgb in samples.photo_variants(cfg, set_name, root):
+        for rgb in inputs.photo_variants(cfg, set_name, root):
             captured: list[Feed] = []
             run = mtcnn.torch_runner(nets[k])
 
@@ -79,7 +78,7 @@ class MtcnnNet(Role):
             mtcnn.detect(rgb, *runners, det_cfg)
             yield captured
 
-    def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
+    def stream(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
         if not self.crop_fed:               # P-Net: one feed per pyramid level (their sizes differ)
             for feeds in self.captured(cfg, set_name, root):
                 yield from feeds
@@ -93,8 +92,8 @@ class MtcnnNet(Role):
         return {0: "batch", 2: "out_h", 3: "out_w"}   # fully convolutional: every output follows the input's size
 
     # ------------------------------------------------------------------ gate
-    def measure(self, cfg, model: str, runner, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        return by_name(self.metrics)(cfg, self.name, runner, root), {}
+    def measure(self, cfg: Config, model: str, runner, root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        return by_name(self.metrics)(cfg, self.name, runner, root, self), {}
 
 
 PNET = MtcnnNet("pnet", 0, None)

@@ -12,30 +12,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.roles.base import DETECTOR_CHECKS, Feed, Outputs, Role
+from pipeline.roles.base import DetectorRole, Feed, Outputs
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
-class RetinaFace(Role):
+class RetinaFace(DetectorRole):
     name = "retinaface"
     task = "detect"
     feed_range = (-127.0, 151.0)          # BGR pixels minus its mean
     outputs = Outputs(3, 3, "a RetinaFace detector has 3 outputs of rank 3: loc (batch, anchors, 4), conf "
                             "(…, 2), landmarks (…, 10)")
     onnx_only = True
-    key_metric, direction, accuracy_label = "box_iou_min", 1, "box IoU min"
     metrics = "pipeline.gates.detection:retinaface_metrics"
-    limits_section = "detector"
-    checks = DETECTOR_CHECKS
-    fixed_limits = (("none", 0),)
 
-    def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
-        from pipeline import samples
+    def stream(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
+        from pipeline.roles import inputs
         from kiln_runtime import retinaface
 
-        for rgb in samples.photo_variants(cfg, set_name, root):
+        for rgb in inputs.photo_variants(cfg, set_name, root):
             yield {"input": retinaface.preprocess(rgb)}
 
     def detect(self, rgb: np.ndarray, run: Callable, mcfg) -> list:

@@ -13,25 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pipeline.roles.base import DETECTOR_CHECKS, Feed, Role
+from pipeline.roles.base import DetectorRole, Feed
 
-
-def runtime_decode(mcfg, input_size=None):
-    """models.<m>.decode (validated by config.py) as kiln_runtime's Decode; `input_size` a system's detect_size."""
-    from kiln_runtime.singleshot import Decode
-
-    d = mcfg.decode
-    return Decode(strides=tuple(d.strides), outputs=tuple((h, tuple(d.outputs[h])) for h in
-                                                          ("class", "objectness", "box", "landmarks")
-                                                          if h in d.outputs),
-                  anchor_sizes=tuple(tuple(r) for r in d.anchor_sizes), anchor_offset=d.anchor_offset, box=d.box,
-                  variances=tuple(d.variances), score=d.score, score_column=d.score_column, channels=d.channels,
-                  mean=tuple(d.mean), std=tuple(d.std), pad_to=d.pad_to,
-                  input_size=tuple(input_size) if input_size else (), score_threshold=d.score_threshold,
-                  nms_threshold=d.nms_threshold, top_k=d.top_k)
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 def declaration_error(model: str, source: str, why: str):
@@ -41,23 +30,19 @@ def declaration_error(model: str, source: str, why: str):
                      f"fix models.{model}.decode in params.yaml (kiln_runtime/singleshot.py says what each key means)")
 
 
-class SingleShot(Role):
+class SingleShot(DetectorRole):
     name = "singleshot"
     task = "detect"
     feed_range = (-128.0, 255.0)
     onnx_only = True
-    key_metric, direction, accuracy_label = "box_iou_min", 1, "box IoU min"
     metrics = "pipeline.gates.detection:singleshot_metrics"
-    limits_section = "detector"
-    checks = DETECTOR_CHECKS
-    fixed_limits = (("none", 0),)
 
-    def stream(self, cfg, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
-        from pipeline import samples
+    def stream(self, cfg: Config, model: str, set_name: str, root: Path, batch: int) -> Iterator[Feed]:
+        from pipeline.roles import inputs
         from kiln_runtime import singleshot
 
-        d = runtime_decode(cfg.model(model))
-        for rgb in samples.photo_variants(cfg, set_name, root):
+        d = cfg.model(model).decode.runtime()
+        for rgb in inputs.photo_variants(cfg, set_name, root):
             yield {"input": singleshot.preprocess(rgb, d)[0]}
 
     def check_graph(self, mcfg, outs: dict[str, list], source: str) -> None:
@@ -71,16 +56,19 @@ class SingleShot(Role):
                     raise declaration_error(mcfg.name, source, f"output {n!r} is {outs[n]}; a head output is "
                                             "(batch, rows, values) or (batch, rows)")
 
-    def golden(self, cfg, model: str, outs: list[list[np.ndarray]], root: Path) -> tuple[dict[str, np.ndarray], dict]:
+    def golden(self, cfg: Config, model: str, outs: list[list[np.ndarray]],
+               root: Path) -> tuple[dict[str, np.ndarray], dict]:
         """Decode the reference on every golden photo: a declaration that does not fit fails here, in one line."""
-        from pipeline import onnx_import, samples
+        import onnx
+
+        from pipeline.roles import inputs
         from kiln_runtime import singleshot
 
         mcfg = cfg.model(model)
-        names = [o.name for o in onnx_import.load_source(mcfg, root).graph.output]
-        d = runtime_decode(mcfg)
+        names = [o.name for o in onnx.load(str(root / mcfg.onnx.path), load_external_data=False).graph.output]
+        d = mcfg.decode.runtime()
         faces = []
-        for feed, per_feed in zip(samples.feeds(cfg, model, "golden", root), outs):
+        for feed, per_feed in zip(self.feeds(cfg, model, "golden", root, inputs.CHIP_BATCH), outs):
             h, w = feed["input"].shape[2:]
             try:
                 faces.append(len(singleshot.decode(dict(zip(names, per_feed)), h, w, d)))
@@ -92,7 +80,7 @@ class SingleShot(Role):
         """Faces in one RGB photo; `run` maps the preprocessed input to the outputs by name."""
         from kiln_runtime import singleshot
 
-        return singleshot.detect(rgb, run, runtime_decode(mcfg))
+        return singleshot.detect(rgb, run, mcfg.decode.runtime())
 
 
 SINGLESHOT = SingleShot()

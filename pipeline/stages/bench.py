@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import models, paths, stage, targets
 from pipeline.gates import benchgate
@@ -28,8 +29,11 @@ from pipeline.gates.timing import ROUNDS, BenchResult, measure_model, table
 from pipeline.manifest import build_manifest, input_ref, manifest_path, write_json_atomic, write_manifest
 from pipeline.roles import registry as roles
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def _engines(cfg, model: str) -> list:
+
+def _engines(cfg: Config, model: str) -> list:
     return cfg.engines_of(model)
 
 
@@ -52,7 +56,7 @@ STAGE = stage.Stage(
     help="benchmark every engine of a model side by side with PyTorch eager")
 
 
-def run(cfg, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
+def run(cfg: Config, model_name: str, root: Path = Path("."), progress=print) -> BenchResult:
     """The bench stage: measure, then write artifacts/bench/<model>/bench.json + its manifest (never cached) and
     each engine's verdict alone (gate/<engine>.json + the gate's manifest, cached)."""
     result = measure_model(cfg, model_name, root, progress)

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, samples, stage
 from pipeline.errors import KilnError
@@ -38,6 +39,9 @@ from pipeline.quant.calibration import (DIFFERS_REL, MAX_CLIPPED, PREPROCESS, QU
                                         compute_ranges, preprocess, quantizable_op_types)
 from pipeline.quant.selection import Trial, choose, judge
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "calibrate", "pipeline.stages.calibrate",
@@ -66,7 +70,7 @@ class CalibrationResult:
     metric: str                    # the gate's key metric that ranked them
 
 
-def run(cfg, model_name: str, root: Path = Path("."), progress: Callable[[str], None] = print
+def run(cfg: Config, model_name: str, root: Path = Path("."), progress: Callable[[str], None] = print
         ) -> CalibrationResult:
     """Calibrate `model_name`'s export on the calibration set → ranges.json + manifest."""
     ccfg = cfg.calibrate

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, scratch, stage, targets
 from pipeline.errors import GateFailed
@@ -24,6 +25,9 @@ from pipeline.roles import registry as roles
 from pipeline.targets import source_kind
 from pipeline.targets.base import OpSupport
 from pipeline.targets.build import SAMPLES, build, calibrates, samples_module, source_artifact
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "compile", "pipeline.stages.compile",
@@ -51,7 +55,7 @@ class CompileResult:
     warnings: list[str]
 
 
-def run(cfg, engine_name: str, root: Path = Path("."), check: bool = True) -> CompileResult:
+def run(cfg: Config, engine_name: str, root: Path = Path("."), check: bool = True) -> CompileResult:
     spec = cfg.engine(engine_name)
     target = targets.get(spec.target)
     claim = target.reproducibility

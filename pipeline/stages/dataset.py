@@ -10,6 +10,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,10 +21,13 @@ from pipeline.errors import KilnError
 from pipeline.manifest import atomic_dir, build_manifest, file_input, write_manifest
 from pipeline.models import mtcnn
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
 SETS = samples.SETS
 
 
-def _params(cfg, key: str) -> list[str]:
+def _params(cfg: Config, key: str) -> list[str]:
     set_name, model = samples.chip_sets(cfg)[key]
     geometry = ["data.chip_size", "data.template"] if model is None else [f"models.{model}.preprocess"]
     return ["data.photos", *geometry, "data.min_face_size", "data.augment", f"data.sets.{set_name}"]
@@ -68,7 +72,7 @@ def mtcnn_landmarker(weights: list[Path], min_face_size: int):
     return landmarks
 
 
-def run(cfg, name: str, root: Path = Path(".")) -> DatasetResult:
+def run(cfg: Config, name: str, root: Path = Path(".")) -> DatasetResult:
     sets = samples.chip_sets(cfg)
     if name not in sets:
         raise KilnError(f"no image set named {name!r}", f"known: {', '.join(sets)}")

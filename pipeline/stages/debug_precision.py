@@ -13,12 +13,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import compare, paths, samples, stage
 from pipeline.manifest import (build_manifest, input_ref, json_bytes, manifest_path, read_verified,
                                write_bytes_atomic, write_manifest)
 from pipeline.quant.qdq import pairs
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 MIN_SNR_DB = 20.0          # a tensor below this SNR is a bad layer (relative error power 1 %)
 BATCH = 16
@@ -51,7 +55,7 @@ class PrecisionReport:
     comparison: compare.Comparison
 
 
-def run(cfg, key: str, root: Path = Path(".")) -> PrecisionReport:
+def run(cfg: Config, key: str, root: Path = Path(".")) -> PrecisionReport:
     model, recipe = pairs(cfg)[key]
     fp32_dir, int8_dir = paths.export(model, root), paths.quantized(model, recipe, root)
     fp32_manifest, int8_manifest = manifest_path(fp32_dir, model), manifest_path(int8_dir, key)

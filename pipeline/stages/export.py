@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import models, paths, samples, stage
 from pipeline.errors import GateFailed
@@ -21,6 +22,9 @@ from pipeline.gates.reference import load_reference
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, write_manifest
 from pipeline.models.export import export_onnx
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 STAGE = stage.Stage(
@@ -40,7 +44,7 @@ class ExportResult:
     ops: dict[str, int]
 
 
-def run(cfg, model_name: str, root: Path = Path(".")) -> ExportResult:
+def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ExportResult:
     mcfg, ecfg = cfg.model(model_name), cfg.export
     golden_dir = paths.golden(model_name, root)
     feeds = samples.feeds(cfg, model_name, "golden", root)

@@ -18,11 +18,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, stage
-from pipeline.fallbacks import markdown, rows, table
+from pipeline.report.fallbacks import markdown, rows, table
 from pipeline.manifest import json_bytes, write_bytes_atomic
 from pipeline.targets.trt_static import audited_models, report_path
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "fallback-table", "pipeline.stages.fallback_table",
@@ -46,7 +50,7 @@ class FallbackResult:
     md_path: Path
 
 
-def run(cfg, root: Path = Path(".")) -> FallbackResult:
+def run(cfg: Config, root: Path = Path(".")) -> FallbackResult:
     found = rows(cfg, root)
     d = paths.reports(root)
     jp, mp = d / "fallback.json", d / "fallback.md"

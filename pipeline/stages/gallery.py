@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, input_re
                                write_json_atomic, write_manifest)
 from pipeline.matching import gallery as g
 from pipeline.matching.gallery import MODEL
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "gallery", "pipeline.stages.gallery",
@@ -44,7 +48,7 @@ class GalleryResult:
     distances: dict
 
 
-def run(cfg, size: int, root: Path = Path(".")) -> GalleryResult:
+def run(cfg: Config, size: int, root: Path = Path(".")) -> GalleryResult:
     m = cfg.matching
     m.check_size(int(size))
     root = Path(root)

@@ -14,12 +14,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import models, paths, samples, stage
 from pipeline.gates.golden import npy_bytes, onnx_reference, output_names, reference_outputs
 from pipeline.gates.reference import source_inputs
 from pipeline.manifest import atomic_dir, build_manifest, write_bytes_atomic, write_json_atomic, write_manifest
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "golden", "pipeline.stages.golden", "FP32 reference outputs (PyTorch, or ORT on an ONNX original) on each "
@@ -39,7 +43,7 @@ class GoldenResult:
     summary: dict
 
 
-def run(cfg, model_name: str, root: Path = Path(".")) -> GoldenResult:
+def run(cfg: Config, model_name: str, root: Path = Path(".")) -> GoldenResult:
     mcfg = cfg.model(model_name)
     feeds = samples.feeds(cfg, model_name, "golden", root)
     if mcfg.onnx is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
@@ -25,8 +26,11 @@ from pipeline.gates.parity import check_graph, model_deps, parity
 from pipeline.gates.reference import load_reference, source_inputs
 from pipeline.roles import registry as roles
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def onnx_models(cfg) -> list[str]:
+
+def onnx_models(cfg: Config) -> list[str]:
     return [m for m, spec in cfg.models.items() if spec.onnx is not None]
 
 
@@ -51,7 +55,7 @@ class ImportResult:
     support: dict
 
 
-def op_support(cfg, model_name: str, onnx_path: Path) -> dict:
+def op_support(cfg: Config, model_name: str, onnx_path: Path) -> dict:
     """Each ONNX target this model has engines for, asked which ops it cannot run; any → one error naming them."""
     wanted = sorted({e.target for e in cfg.engines_of(model_name) if targets.source_kind(e.target) == "onnx"})
     support = opsupport.unsupported(onnx_path, wanted)
@@ -64,11 +68,11 @@ def op_support(cfg, model_name: str, onnx_path: Path) -> dict:
     return {t: ("all supported" if v == [] else v) for t, v in support.items()}
 
 
-def run(cfg, model_name: str, root: Path = Path(".")) -> ImportResult:
+def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ImportResult:
     mcfg, ecfg = cfg.model(model_name), cfg.export
     src = root / mcfg.onnx.path
     proto = onnx_import.load_source(mcfg, root)
-    imported, report = onnx_import.prepare(proto, mcfg, mcfg.onnx.path)
+    imported, report = onnx_import.prepare(proto, mcfg, mcfg.onnx.path, samples.role(cfg, model_name))
     golden_dir = paths.golden(model_name, root)
     feeds = samples.feeds(cfg, model_name, "golden", root)
     _, reference = load_reference(golden_dir)

@@ -7,7 +7,7 @@ engine that passed its gate is marked, at the batch a face system feeds that gra
 benched batch for the nets that get every candidate crop in one call); an engine that failed its gate, or was not
 run here, or an INT8 engine `not faster here` (bench verdict not-faster-here on this host class), can never be
 marked; the markdown names the host class the timings were measured on. Writes artifacts/reports/leaderboard.json
-(flat rows, a DVC plot) and leaderboard.md (the README's table); the rows are pipeline/leaderboard.py's.
+(flat rows, a DVC plot) and leaderboard.md (the README's table); the rows are pipeline/report/leaderboard.py's.
 Timings are the bench's records, so both files are uncached like the bench itself.
 """
 
@@ -16,11 +16,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, stage
-from pipeline.leaderboard import markdown, models, rows
+from pipeline.report.leaderboard import markdown, models, rows
 from pipeline.manifest import json_bytes, write_bytes_atomic
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "leaderboard", "pipeline.stages.leaderboard",
@@ -45,7 +49,7 @@ class Leaderboard:
     md_path: Path
 
 
-def run(cfg, root: Path = Path(".")) -> Leaderboard:
+def run(cfg: Config, root: Path = Path(".")) -> Leaderboard:
     found, winners = rows(cfg, root)
     d = paths.reports(root)
     jp, mp = d / "leaderboard.json", d / "leaderboard.md"

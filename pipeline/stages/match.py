@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline import paths, stage
+from pipeline.config import Config
 from pipeline.dvcfiles import address
 from pipeline.errors import GateFailed
 from pipeline.manifest import (atomic_dir, atomic_path, build_manifest, identity_digest, input_ref, manifest_path,
@@ -71,7 +72,7 @@ class MatchResult:
     directory: Path | None
 
 
-def run(cfg, size: int, root: Path = Path("."), progress: Callable[[str], None] = sw.to_stderr) -> MatchResult:
+def run(cfg: Config, size: int, root: Path = Path("."), progress: Callable[[str], None] = sw.to_stderr) -> MatchResult:
     m = cfg.matching
     m.check_size(int(size))
     root = Path(root)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from pipeline.manifest import (atomic_dir, build_manifest, file_input, input_ref
                                write_manifest)
 from pipeline.models.program import aten_ops, export_program, feed_runner, program_bytes
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 PROGRAM_FILE = paths.PROGRAM_FILE
 
@@ -70,13 +74,13 @@ def bytes_in_fresh_process(params: Path, model_name: str, root: Path) -> bytes:
         return out.read_bytes()
 
 
-def export_bytes(cfg, model_name: str, root: Path) -> tuple[torch.export.ExportedProgram, bytes]:
+def export_bytes(cfg: Config, model_name: str, root: Path) -> tuple[torch.export.ExportedProgram, bytes]:
     mcfg = cfg.model(model_name)
     ep = export_program(build_model(mcfg, root), mcfg, samples.feeds(cfg, model_name, "golden", root)[0])
     return ep, program_bytes(ep)
 
 
-def run(cfg, model_name: str, root: Path = Path("."), check_reproducible: bool = True) -> ProgramResult:
+def run(cfg: Config, model_name: str, root: Path = Path("."), check_reproducible: bool = True) -> ProgramResult:
     mcfg = cfg.model(model_name)
     golden_dir = paths.golden(model_name, root)
     feeds = samples.feeds(cfg, model_name, "golden", root)

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
@@ -34,6 +35,9 @@ from pipeline.quant.calibration import PREPROCESS, preprocess, quantizable_op_ty
 from pipeline.quant.contract import contract, inventory
 from pipeline.quant.qdq import load_ranges, pairs, quantize_graph, recipe_options
 from pipeline.roles import registry as roles
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "quantize", "pipeline.stages.quantize", "INT8 QDQ ONNX from the stored calibration, one per recipe",
@@ -58,7 +62,7 @@ class QuantizeResult:
     ranges: dict[str, int]
 
 
-def run(cfg, model_name: str, recipe_name: str, root: Path = Path(".")) -> QuantizeResult:
+def run(cfg: Config, model_name: str, recipe_name: str, root: Path = Path(".")) -> QuantizeResult:
     cfg.model(model_name)
     if recipe_name not in cfg.recipes:
         raise KilnError(f"{cfg.source}: quantize.recipes: no recipe named {recipe_name!r}",

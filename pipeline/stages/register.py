@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, stage
 from pipeline.errors import GateFailed
 from pipeline.gates import benchgate
 from pipeline.registry import registration as reg
 from pipeline.registry.receipts import print_receipt, write_receipt
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "register", "pipeline.stages.register",
@@ -30,7 +34,7 @@ STAGE = stage.Stage(
     help="register a validated engine in MLflow (idempotent by content); new → 'candidate'")
 
 
-def run(cfg, engine_name: str, root: Path = Path("."), allow_failed: bool = False,
+def run(cfg: Config, engine_name: str, root: Path = Path("."), allow_failed: bool = False,
         host_class: str | None = None) -> reg.Receipt:
     """Register the engine with its bench verdict and its bench rows, keyed by the host class they were measured on
     (`host_class`; default the bench report's): the same content from another class adds that class's rows."""

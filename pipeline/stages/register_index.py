@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, stage
 from pipeline.registry import registration as reg
 from pipeline.registry.receipts import print_receipt, write_receipt
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "register-index", "pipeline.stages.register_index",
@@ -20,7 +24,7 @@ STAGE = stage.Stage(
     help="register a gallery's chosen index in MLflow as kiln-gallery-<size>")
 
 
-def run(cfg, size: int, root: Path = Path(".")) -> reg.Receipt:
+def run(cfg: Config, size: int, root: Path = Path(".")) -> reg.Receipt:
     art = reg.index_registrable(cfg, size, root)
     receipt = reg.register(cfg, art, root)
     write_receipt(cfg, STAGE, str(size), art, receipt, root)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, samples, stage, targets, toolchain
 from pipeline.dvcfiles import address
@@ -26,8 +27,11 @@ from pipeline.manifest import input_ref, manifest_path, read_verified, write_jso
 from pipeline.roles import registry as roles
 from pipeline.sysbench import frames, load, roofline
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def _deps(cfg, key: str) -> list[str]:
+
+def _deps(cfg: Config, key: str) -> list[str]:
     enrolment = paths.data_set(samples.chip_set(cfg, cfg.system(key).embedder, "golden"))
     return [paths.system(key).as_posix(), *(paths.engine(e).as_posix() for e in resolve(cfg, key).values()),
             *samples.photo_deps(cfg), enrolment.as_posix(),
@@ -61,7 +65,7 @@ def _gated(name: str, root: Path) -> tuple[dict[str, str], dict]:
     return dict(doc["results"]["engines"]), input_ref("system", man, root)
 
 
-def run(cfg, name: str, root: Path = Path("."), params: Path = Path("params.yaml"), progress=print) -> dict:
+def run(cfg: Config, name: str, root: Path = Path("."), params: Path = Path("params.yaml"), progress=print) -> dict:
     """Sweep, count, write sysbench.json + bottleneck.json; return the sweep's report."""
     root = Path(root)
     picks, system_ref = _gated(name, root)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import models, paths, samples, stage, targets
 from pipeline.dvcfiles import address
@@ -28,12 +29,15 @@ from pipeline.manifest import (atomic_dir, build_manifest, input_ref, manifest_p
                                write_manifest)
 from pipeline.roles import registry as roles
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def _enrolment(cfg, key: str, root: Path = Path(".")) -> Path:
+
+def _enrolment(cfg: Config, key: str, root: Path = Path(".")) -> Path:
     return paths.data_set(samples.chip_set(cfg, cfg.system(key).embedder, "golden"), root)
 
 
-def _deps(cfg, key: str) -> list[str]:
+def _deps(cfg: Config, key: str) -> list[str]:
     engines = resolve(cfg, key).values()
     return [*(paths.engine(e).as_posix() for e in engines), *(paths.validation(e).as_posix() for e in engines),
             *samples.photo_deps(cfg), *(w for m in graphs(cfg, key) for w in models.weight_deps(cfg.model(m))),
@@ -54,7 +58,7 @@ STAGE = stage.Stage(
     help="gate a face system end to end against the reference system (exit 1 = fail)")
 
 
-def _refs(cfg, picks: dict[str, str], root: Path) -> dict[str, dict]:
+def _refs(cfg: Config, picks: dict[str, str], root: Path) -> dict[str, dict]:
     """Each engine's and its validation's manifest refs; an engine that did not pass its own gate is refused."""
     out = {}
     for model, e in picks.items():
@@ -71,7 +75,7 @@ def _refs(cfg, picks: dict[str, str], root: Path) -> dict[str, dict]:
     return out
 
 
-def run(cfg, name: str, root: Path = Path(".")) -> dict:
+def run(cfg: Config, name: str, root: Path = Path(".")) -> dict:
     """Gate system `name`; write system.json + verdict.json + manifest; return the verdict (GateFailed on fail)."""
     root = Path(root)
     picks = resolve(cfg, name)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -25,6 +26,9 @@ from pipeline.closure import closure, distributions
 from pipeline.toolchain import PYTHON_TOOLCHAIN
 from pipeline.manifest import write_bytes_atomic
 from pipeline.targets.base import Toolchain
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "toolchain", "pipeline.stages.toolchain",
@@ -79,7 +83,7 @@ def write_python(root: Path = Path(".")) -> tuple[Path, bool]:
     return path, _write_if_changed(path, doc)
 
 
-def run(cfg, root: Path = Path(".")) -> dict[str, tuple[Toolchain, Path, bool]]:
+def run(cfg: Config, root: Path = Path(".")) -> dict[str, tuple[Toolchain, Path, bool]]:
     out = {}
     for name in cfg.targets:
         tc = probe(name)

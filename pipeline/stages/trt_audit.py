@@ -11,11 +11,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, stage
 from pipeline.errors import GateFailed
 from pipeline.manifest import json_bytes, write_bytes_atomic
 from pipeline.targets.trt_static import TARGET, audited_models, audits, int8_source, report_path
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "trt-audit", "pipeline.stages.trt_audit",
@@ -35,7 +39,7 @@ class TrtAuditResult:
     failures: list[str]
 
 
-def run(cfg, model: str, root: Path = Path(".")) -> TrtAuditResult:
+def run(cfg: Config, model: str, root: Path = Path(".")) -> TrtAuditResult:
     entries = audits(cfg, model, root)
     failures = [f"{e['precision']} ({e['onnx']}): {p['node']} ({p['op']}): {p['detail']}"
                 for e in entries if not e.get("skipped") for p in e["problems"]]

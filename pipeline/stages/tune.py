@@ -15,11 +15,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, stage, targets
 from pipeline.toolchain import read_fingerprint
 from pipeline.errors import KilnError
 from pipeline.manifest import atomic_dir, build_manifest, input_ref, manifest_path, read_verified, write_manifest
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 STAGE = stage.Stage(
     "tune", "pipeline.stages.tune",
@@ -33,7 +37,7 @@ STAGE = stage.Stage(
     help="search kernel schedules for a tunable engine (tvm: MetaSchedule); the database is cached")
 
 
-def run(cfg, engine_name: str, root: Path = Path(".")) -> tuple[Path, dict]:
+def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> tuple[Path, dict]:
     spec = cfg.engine(engine_name)
     targets.check(cfg, [engine_name])
     if not targets.tuned(cfg, engine_name):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, samples, stage, targets
 from pipeline.gates.evaluate import NOT_RUN, Verdict
@@ -24,8 +25,11 @@ from pipeline.gates.verdict import judge
 from pipeline.manifest import identity_digest, manifest_path, read_manifest
 from pipeline.roles import registry as roles
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def _deps(cfg, key: str) -> list[str]:
+
+def _deps(cfg: Config, key: str) -> list[str]:
     e = cfg.engine(key)
     return [paths.engine(key).as_posix(), paths.golden(e.model).as_posix(), *samples.deps(cfg, e.model, "golden")]
 
@@ -42,7 +46,7 @@ STAGE = stage.Stage(
     help="gate an engine on the face task against the golden reference (exit 1 = fail)")
 
 
-def run(cfg, engine_name: str, root: Path = Path(".")) -> Verdict:
+def run(cfg: Config, engine_name: str, root: Path = Path(".")) -> Verdict:
     engine_dir = paths.engine(engine_name, root)
     mpath = manifest_path(engine_dir, engine_name)
     # its files are verified when it is loaded (a private copy, engines.py), or before a not-run verdict

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kiln_runtime.frames import GREY, digest, frames, pick  # noqa: F401
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def load(cfg, root: Path = Path(".")) -> list[np.ndarray]:
+
+def load(cfg: Config, root: Path = Path(".")) -> list[np.ndarray]:
     """The frames of params `sysbench.resolution` from the pinned photos (data.photos)."""
     from pipeline.data import list_photos, load_rgb
 

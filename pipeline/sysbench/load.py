@@ -5,14 +5,18 @@ on a release — with the plan of params `sysbench:` and worker processes that e
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kiln_runtime import loadtest
 from kiln_runtime.loadtest import WARMUP_S, Plan, cores  # noqa: F401
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
-def plan(cfg) -> Plan:
+
+def plan(cfg: Config) -> Plan:
     """The sweep for this machine: workers one per core unless params say, threads per engine = cores / workers."""
     sb = cfg.sysbench
     if not sb.streams:              # (checked here, not in config.py's schema: every stage tracks config.py)
@@ -38,7 +42,7 @@ def checkout_system(threads: int, params: str, root: str, system: str, picks: di
     return s
 
 
-def sweep(cfg, system: str, picks: dict[str, str], frames: list[np.ndarray], root: Path = Path("."),
+def sweep(cfg: Config, system: str, picks: dict[str, str], frames: list[np.ndarray], root: Path = Path("."),
           params: Path = Path("params.yaml"), progress=print) -> dict:
     """Run the sweep for `system` (engines `picks`); the points, the headline and what was picked."""
     return loadtest.sweep(plan(cfg), f"sysbench@{system}", "pipeline.sysbench.load:checkout_system",

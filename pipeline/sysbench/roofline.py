@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 OVERHEAD = 0.10
 _ELEM = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2}       # onnx TensorProto data type → bytes
@@ -150,7 +154,7 @@ def capture_shapes(system, frame_list: list[np.ndarray]) -> dict[str, list[list[
 STAGE_OF = {"aligner": "align"}       # graph → the stage its time is booked under (the embedder: "embed")
 
 
-def bottleneck(cfg, system_name: str, picks: dict[str, str], calls: dict, frames_run: int, sweep: dict,
+def bottleneck(cfg: Config, system_name: str, picks: dict[str, str], calls: dict, frames_run: int, sweep: dict,
                roof: dict, root: Path = Path(".")) -> dict:
     """bottleneck.json: shares under load, a roofline point per graph, Amdahl headroom."""
     from pipeline import paths

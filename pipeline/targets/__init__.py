@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipeline.errors import KilnError
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def get(name: str):
     return getattr(importlib.import_module(e.module), e.cls)()
 
 
-def options(cfg, name: str):
+def options(cfg: Config, name: str):
     """The target's validated options from params (`targets.<name>`); errors name the params file and key."""
     try:
         return get(name).parse_options(cfg.targets[name].options)
@@ -62,7 +66,7 @@ def options(cfg, name: str):
         raise KilnError(f"{cfg.source}: {err.message}", err.hint) from None
 
 
-def tuned(cfg, engine_name: str) -> bool:
+def tuned(cfg: Config, engine_name: str) -> bool:
     """Does this engine compile with a tuning database (its target tunes and `tuning.trials` > 0)?"""
     e = cfg.engine(engine_name)
     return entry(e.target).tunes and cfg.targets[e.target].enabled and options(cfg, e.target).tuning.trials > 0
@@ -78,7 +82,7 @@ def expected_source(engine) -> str:
     return f"artifacts/export/{engine.model}"
 
 
-def check(cfg, engines: list[str] | None = None) -> None:
+def check(cfg: Config, engines: list[str] | None = None) -> None:
     """What params need the registry for: every configured target exists and its options are valid, and each
     engine (all, or `engines`) names the source its target compiles. Errors name the params file and key.
     Given `engines`, only their targets' modules are imported: a stage's code closure stays what its DAG lists."""

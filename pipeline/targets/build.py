@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths, targets
 from pipeline.toolchain import read_fingerprint
@@ -16,6 +17,9 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import manifest_path, read_verified
 from pipeline.targets import source_kind
 from pipeline.targets.base import CompileOptions, OpSupport
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
 
 # A program target's int8 engine is calibrated at compile (PT2E) on the stored calibration chips, streamed by
 # pipeline.samples. It is loaded by name (`dynamic`), so that only those engines' stages depend on it and its
@@ -27,7 +31,7 @@ def samples_module():
     return importlib.import_module(SAMPLES)
 
 
-def calibrates(cfg, key: str) -> bool:
+def calibrates(cfg: Config, key: str) -> bool:
     e = cfg.engine(key)
     return source_kind(e.target) == "program" and e.precision == "int8"
 
@@ -45,7 +49,7 @@ def source_artifact(spec: EngineSpec, root: Path) -> tuple[Path, Path]:
     return d / paths.ONNX_FILE, manifest_path(d, spec.model)
 
 
-def build(cfg, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpSupport, list[str]]:
+def build(cfg: Config, engine_name: str, root: Path, out: Path) -> tuple[list[Path], OpSupport, list[str]]:
     """Compile into `out` and audit; the fallback policy may refuse. No manifest, no reproducibility check."""
     spec = cfg.engine(engine_name)
     targets.check(cfg, [engine_name])

@@ -63,7 +63,7 @@ FINGERPRINT_KEYS = ("tensorrt", "tensorrt_package", "compute_capability", "gpu_n
 
 @dataclass(frozen=True)
 class BuildPlan:
-    """Everything the builder is told, as names — applied to the real API by `_apply_plan`, recorded in build.json."""
+    """Everything the builder is told, as names — applied to the real API by `apply_plan`, recorded in build.json."""
     network_flags: tuple[str, ...]
     builder_flags: tuple[str, ...]
     builder_optimization_level: int
@@ -93,7 +93,7 @@ def build_plan(opts: TrtOptions, input_name: str, input_shape: tuple[int, ...]) 
                      "DETAILED", HW_LEVELS[opts.hardware_compatibility], profiles, opts.timing_cache_mode)
 
 
-def _apply_plan(trt, builder, network, config, plan: BuildPlan) -> None:  # pragma: no cover - needs TensorRT + GPU
+def apply_plan(trt, builder, network, config, plan: BuildPlan) -> None:  # pragma: no cover - needs TensorRT + GPU
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, plan.workspace_bytes)
     config.builder_optimization_level = plan.builder_optimization_level
     config.profiling_verbosity = getattr(trt.ProfilingVerbosity, plan.profiling_verbosity)
@@ -321,7 +321,7 @@ class TensorRT:
         inp = network.get_input(0)
         plan = build_plan(opts, inp.name, tuple(inp.shape)[1:])
         config = builder.create_builder_config()
-        _apply_plan(trt, builder, network, config, plan)
+        apply_plan(trt, builder, network, config, plan)
         cache_dir = Path(opts.timing_cache_dir)     # relative: to the project root, where stages run
         key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"trt{fp['tensorrt']}-sm{fp['compute_capability']}-{fp['gpu_name']}")
         cache_file = cache_dir / f"{key}.timing"

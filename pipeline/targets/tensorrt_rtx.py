@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from pipeline import toolchain
 from pipeline.errors import KilnError
 from pipeline.targets.base import CompileOptions, OpSupport, Reproducibility, Toolchain, validate_options
-from pipeline.targets.tensorrt import BuildPlan, ParserRejected, TrtRunner, _apply_plan, host_platform, parse_network
+from pipeline.targets.tensorrt import BuildPlan, ParserRejected, TrtRunner, apply_plan, host_platform, parse_network
 from pipeline.targets.trt_inspector import inspector_audit, norm_dtype
 from pipeline.targets.trt_onnx import PRECISIONS, compute_nodes, onnx_bytes, prepare_onnx
 
@@ -226,7 +226,7 @@ class TensorRTRTX:
         inp = network.get_input(0)
         plan = plan_for(opts, inp.name, tuple(inp.shape)[1:])
         config = builder.create_builder_config()
-        _apply_plan(trt, builder, network, config, plan)
+        apply_plan(trt, builder, network, config, plan)
         config.num_compute_capabilities = len(opts.compute_capabilities)
         for i, cc in enumerate(opts.compute_capabilities):
             config.set_compute_capability(getattr(trt.ComputeCapability, cc), i)

@@ -5,16 +5,20 @@ writes the report that fallback-table reads."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline import paths
 from pipeline.errors import KilnError
 from pipeline.targets.trt_onnx import static_audit
 from pipeline.targets.trt_options import TrtOptions
 
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
 TARGET = "tensorrt"
 
 
-def _options(cfg) -> TrtOptions:
+def _options(cfg: Config) -> TrtOptions:
     """targets.tensorrt's options, by the target's own parser (pipeline/targets/trt_options.py) but without loading
     the target module, so trt-audit@ and fallback-table do not depend on the TensorRT packages they never use."""
     try:
@@ -23,12 +27,12 @@ def _options(cfg) -> TrtOptions:
         raise KilnError(f"{cfg.source}: {err.message}", err.hint) from None
 
 
-def audited_models(cfg) -> list[str]:
+def audited_models(cfg: Config) -> list[str]:
     """The models trt-audit@ audits: all of them, if params.yaml has a `tensorrt` target."""
     return list(cfg.models) if TARGET in cfg.targets else []
 
 
-def int8_source(cfg, model: str) -> list[str]:
+def int8_source(cfg: Config, model: str) -> list[str]:
     recipe = _options(cfg).int8_recipe
     return [paths.quantized(model, recipe).as_posix()] if model in cfg.quantize.models and recipe in cfg.recipes else []
 
@@ -37,7 +41,7 @@ def report_path(model: str, root: Path = Path(".")) -> Path:
     return paths.reports(root) / "trt-audit" / f"{paths.slug(model, 'model')}.json"
 
 
-def source_for(cfg, model: str, precision: str, root: Path) -> tuple[Path, str]:
+def source_for(cfg: Config, model: str, precision: str, root: Path) -> tuple[Path, str]:
     """The ONNX a `precision` TensorRT engine of `model` is built from, and how it is named in reports."""
     if precision == "int8":
         recipe = _options(cfg).int8_recipe
@@ -45,7 +49,7 @@ def source_for(cfg, model: str, precision: str, root: Path) -> tuple[Path, str]:
     return paths.export(model, root) / "model.onnx", f"artifacts/export/{model}"
 
 
-def audits(cfg, model: str, root: Path = Path(".")) -> list[dict]:
+def audits(cfg: Config, model: str, root: Path = Path(".")) -> list[dict]:
     """One entry per audited precision: the static audit summary, or why it was skipped (no such ONNX here)."""
     if TARGET not in cfg.targets:
         raise KilnError(f"{cfg.source}: targets: no `{TARGET}` entry", "add targets.tensorrt (see params.yaml)")

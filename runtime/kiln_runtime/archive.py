@@ -1,6 +1,6 @@
 """The release archive reader: a strict one-pass tar.gz reader that extracts what Kiln's writer makes and refuses
 everything else. It lives in the runtime because the deployment host reads a release before it trusts anything in
-it, without Kiln's build stack; the deterministic writer stays with the build (pipeline/archive.py, which re-exports
+it, without Kiln's build stack; the deterministic writer stays with the build (pipeline/release/archive.py, which re-exports
 this reader so the build verifies with the same code).
 
 The reader and GNU tar must never disagree: Python's tarfile stops quietly at a header with a bad checksum while

@@ -120,7 +120,7 @@ def _greedy(boxes: np.ndarray, threshold: float, mode: str = "union", group: np.
     return np.asarray(keep, dtype=np.int64)
 
 
-def _integral(rgb: np.ndarray) -> np.ndarray:
+def integral_image(rgb: np.ndarray) -> np.ndarray:
     """(3, H+1, W+1): each colour plane's exact integral image, with a zero first row and column (OpenCV's
     cv2.integral: int32 while a plane's total fits, else float64, which is exact up to 2**53)."""
     import cv2
@@ -155,7 +155,7 @@ def _net_input(sums: np.ndarray, cnt: np.ndarray, out: np.ndarray) -> np.ndarray
     return out
 
 
-def _area_levels(s: np.ndarray, sizes: list[tuple[int, int]]) -> Iterator[np.ndarray]:
+def area_levels(s: np.ndarray, sizes: list[tuple[int, int]]) -> Iterator[np.ndarray]:
     """The photo whose integral image is `s` area-resampled to each (out_h, out_w) in `sizes`, one at a time, as
     P-Net inputs (1, 3, out_h, out_w) float32. Output cell (i, j) averages input rows [floor(i*H/out_h),
     ceil((i+1)*H/out_h)) and likewise columns, like torch's adaptive_avg_pool2d. Per level, two gathers of whole
@@ -173,7 +173,7 @@ def _area_levels(s: np.ndarray, sizes: list[tuple[int, int]]) -> Iterator[np.nda
         yield level
 
 
-def _area_crops(s: np.ndarray, y0: np.ndarray, y1: np.ndarray, x0: np.ndarray, x1: np.ndarray,
+def area_crops(s: np.ndarray, y0: np.ndarray, y1: np.ndarray, x0: np.ndarray, x1: np.ndarray,
                 size: int) -> np.ndarray:
     """The windows [y0,y1) x [x0,x1) (int arrays, one per window; they may leave the photo, outside is 0) of the
     photo whose integral image is `s`, area-resampled to size x size as R-/O-Net inputs (N, 3, size, size)
@@ -199,7 +199,7 @@ def _area_crops(s: np.ndarray, y0: np.ndarray, y1: np.ndarray, x0: np.ndarray, x
 def _run_on_crops(s: np.ndarray, boxes: np.ndarray, size: int, net: Runner, batch: int) -> list[np.ndarray]:
     """Crop facenet-pytorch's pixel window for each box (cols floor(x1)-1 .. floor(x2)-1), resize, run."""
     b = np.floor(boxes[:, :4]).astype(np.int64)
-    outs = [net(_area_crops(s, c[:, 1] - 1, c[:, 3], c[:, 0] - 1, c[:, 2], size))
+    outs = [net(area_crops(s, c[:, 1] - 1, c[:, 3], c[:, 0] - 1, c[:, 2], size))
             for c in (b[i:i + batch] for i in range(0, len(b), batch))]
     return [np.concatenate(o) for o in zip(*outs)]
 
@@ -228,7 +228,7 @@ def _proposals(s: np.ndarray, pnet: Runner, cfg: DetectorConfig) -> np.ndarray:
     in level order, then by raster position), as facenet-pytorch does it."""
     h, w = s.shape[1] - 1, s.shape[2] - 1
     scales = pyramid_scales(h, w, cfg)
-    out = [pnet(img) for img in _area_levels(s, [(int(h * sc + 1), int(w * sc + 1)) for sc in scales])]
+    out = [pnet(img) for img in area_levels(s, [(int(h * sc + 1), int(w * sc + 1)) for sc in scales])]
     if not out:
         return np.zeros((0, 5))
     face = np.concatenate([prob[0, 1].ravel() for _, prob in out])          # P(face) on every level, flat
@@ -253,7 +253,7 @@ def detect(rgb: np.ndarray, pnet: Runner, rnet: Runner, onet: Runner,
     rgb = np.asarray(rgb)
     if rgb.ndim != 3 or rgb.shape[2] != 3:
         raise ValueError(f"detect() needs an (H, W, 3) RGB image, got shape {rgb.shape}")
-    s = _integral(np.ascontiguousarray(rgb, dtype=np.uint8))
+    s = integral_image(np.ascontiguousarray(rgb, dtype=np.uint8))
 
     boxes = _proposals(s, pnet, cfg)
     boxes = boxes[(boxes[:, 2] - boxes[:, 0] >= 1) & (boxes[:, 3] - boxes[:, 1] >= 1)]

@@ -1,6 +1,6 @@
 """A system release as a deployment host reads it: verify the archive offline (signature, then content), and load
 the system it holds. The build's `kiln verify-release` / `kiln identify --release` use this same code
-(pipeline/system_release.py adds only the build's schema check of the config slice and the build-side refusal to run a
+(pipeline/release/system.py adds only the build's schema check of the config slice and the build-side refusal to run a
 release another kiln gated).
 
 `<R>` = `kiln-system-<name>-v<version>`:
@@ -148,7 +148,7 @@ def is_system_release(tree: Path) -> bool:
 
 def check_system(tree: Path, signed_name: str) -> list[str]:
     """Check a signed system release tree offline (after its signature holds); returns what was checked, raises
-    GateFailed at the first failure. (The build adds the config slice's schema: pipeline/system_release.py.)"""
+    GateFailed at the first failure. (The build adds the config slice's schema: pipeline/release/system.py.)"""
     doc = read_doc(tree / "release.json", "release.json")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
         raise _fail("release.json", f"missing or not schema {SCHEMA}")

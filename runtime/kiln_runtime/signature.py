@@ -1,8 +1,8 @@
 """Verifying a release's signature with `cryptography` alone: the deployment host checks a release before it trusts
 anything in it, without model-signing, sigstore or pydantic. The build verifies with this same code
-(pipeline/signing.py re-exports it); only signing (`sign_tree`, `kiln keygen`) stays on model-signing, in the build.
+(pipeline/release/signing.py re-exports it); only signing (`sign_tree`, `kiln keygen`) stays on model-signing, in the build.
 
-What the build signs (pipeline/signing.py `sign_tree`, model-signing==1.1.1's EC-key signer made deterministic) is a
+What the build signs (pipeline/release/signing.py `sign_tree`, model-signing==1.1.1's EC-key signer made deterministic) is a
 sigstore bundle, JSON:
 
     {"mediaType": "application/vnd.dev.sigstore.bundle.v0.3+json",
@@ -57,7 +57,7 @@ class _Malformed(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- keys
-def _read_key(path: Path, what: str, hint: str) -> bytes:
+def read_key(path: Path, what: str, hint: str) -> bytes:
     """A key file's bytes: a regular file of at most _MAX_KEY bytes (not a FIFO, a device or a padded file)."""
     try:
         st = path.stat()
@@ -76,7 +76,7 @@ def load_public_key(path: Path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    pem = _read_key(Path(path), "public key", "pass the publisher's .pub key (kiln keygen writes it)")
+    pem = read_key(Path(path), "public key", "pass the publisher's .pub key (kiln keygen writes it)")
     try:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as e:
