@@ -299,7 +299,7 @@ def test_the_report_shows_every_engine_and_the_verified_graph_in_a_browser(repo)
     frames = peers["sets"]["sysbench frames"]
     dlib = next(n for n in frames["rows"] if n.startswith("dlib"))
     # dlib's own pipeline beside every Kiln system on its embedder's weights, timed and compared frame by frame
-    # (the OpenCV peer needs the yunet-sface profile: tests/test_singleshot.py checks its identities)
+    # (the OpenCV peer needs the yunet-sface profile: tests/roles/test_singleshot.py checks its identities)
     assert set(frames["rows"][dlib]["agreement"]) == {"dlib-mtcnn", "dlib-mtcnn-openvino", "dlib-yunet-openvino"}
     assert all(s in frames["rows"] and frames["rows"][s]["ms_per_frame_p50"] > 0 for s in peers["systems"])
     r = kiln(repo, "report")

@@ -1,10 +1,10 @@
 """Reliability, issue 44 item 4: output that can be forged. Every string from a file, a registry or a user is shown
 escaped (control, format and bidi characters as visible escapes, never interpreted) and bounded; `--reason` that
 could not be shown as typed is refused at the CLI edge; an identity name that is not an identity slug is refused at
-enrolment (tests/test_data.py) and at verify-release (tests/test_system_release.py).
+enrolment (tests/test_data.py) and at verify-release (tests/release/test_system_release.py).
 
 Pure tests of `pipeline.tables.shown` and the table printer, the CLI's refusals (before anything reads a registry),
-and one real registry (the fast fake engine of tests/test_registry.py on SQLite) holding what an older Kiln or
+and one real registry (the fast fake engine of tests/registry/test_registry.py on SQLite) holding what an older Kiln or
 another client could have recorded."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ MLflow's own log lines.
   agree, rollback works, register / registry sync complete a half-registered version.
 * [one line] (class 9) MLflow's loggers print nothing before Kiln's one-line error.
 
-The engines are the fast fake ones of tests/test_registry.py on a fresh SQLite registry per test. The killed
+The engines are the fast fake ones of tests/registry/test_registry.py on a fresh SQLite registry per test. The killed
 commands run in processes forked from a server that imported Kiln and MLflow once (a CLI start costs seconds);
 each installs a counter on MlflowClient's public methods that signals its own process at the Nth call.
 """

@@ -576,3 +576,60 @@ def test_relative_imports_in_the_checkouts_packages_count(tmp_path, monkeypatch)
     assert files == ["kilnprobe/__init__.py", "kilnprobe/a.py", "kilnprobe/b.py", "kilnprobe/c.py", "kilnprobe/d.py",
                      "kilnprobe/sub/__init__.py", "kilnprobe/sub/e.py"], files
     assert theirs == ["numpy"], theirs
+
+
+# ---------------------------------------------------------------------------------------------- (g) tests mirror
+# Modules no test imports by name are covered through the feature tests that run them, named here (file::test).
+COVERED_THROUGH = {
+    "pipeline/cli/": "tests/cli/test_parser.py::test_each_commands_help_parses",   # each `run`: via cli.main
+    "pipeline/stages/": "tests/test_dvc_pipeline.py::test_repro_builds_then_reruns_nothing",   # the whole DAG
+    "pipeline/gates/": "tests/test_dvc_pipeline.py::test_repro_builds_then_reruns_nothing",    # validate@, system@
+    "pipeline/roles/": "tests/roles/test_roles.py::test_every_role_meets_the_contract",       # every registered role
+    "pipeline/closure.py": "tests/test_structure.py::test_relative_imports_in_the_checkouts_packages_count",
+    "pipeline/stage.py": "tests/test_dvc_pipeline.py::test_each_stage_imports_only_what_it_lists",
+    "pipeline/dagtools/catalog.py": "tests/test_dvc_pipeline.py::test_each_stage_imports_only_what_it_lists",
+    "pipeline/coldstart.py": "tests/targets/test_targets.py::test_a_cold_start_imports_only_the_runtime",
+    "pipeline/userfiles.py": "tests/test_reliability_inputs.py",                   # every user file Kiln opens
+    "pipeline/models/program.py": "tests/targets/test_aoti.py::test_program_stage_writes_a_loadable_program",
+    "pipeline/quant/contract.py": "tests/quant/test_calibrate_quantize.py",
+    "pipeline/registry/receipts.py": "tests/registry/test_registry.py::test_register_is_idempotent_and_new_bytes_make_a_new_candidate",
+    "pipeline/release/attestation.py": "tests/release/test_release.py::test_release_is_deterministic_signed_recorded_and_verifies_offline",
+    "pipeline/release/content.py": "tests/release/test_release.py::test_every_tampering_fails_naming_the_item",
+    "pipeline/targets/build.py": "tests/targets/test_targets.py::test_every_registered_target_meets_the_whole_contract",
+    "pipeline/targets/litert_convert.py": "tests/targets/test_litert.py::test_int8_is_full_integer_with_nhwc_io_and_both_are_checked_reproducible",
+    "pipeline/targets/trt_options.py": "tests/targets/test_tensorrt.py::test_params_map_to_builder_plan",
+    "runtime/kiln_runtime/": "tests/release/test_system_release.py::test_the_runtime_alone_runs_the_release_as_the_build_does",
+}
+
+
+def tested_modules() -> set[str]:
+    """The checkout's modules some test imports (the DAG's own reader on every test file)."""
+    r = reader()
+    return {rel(f) for t in (REPO / "tests").rglob("*.py") if "__pycache__" not in t.parts
+            for n in r._direct(t, t.stat().st_mtime_ns)[0] if (f := r.module_file(n)) is not None}
+
+
+def test_tests_mirror_the_source_and_name_every_module():
+    """A test about one module is tests/<package>/test_<module>.py; every module of pipeline/ and the runtime is
+    imported by a test, mirrored by one, or covered through a feature test named in COVERED_THROUGH — which must
+    exist (file and test function)."""
+    mods = sorted(rel(p) for d in (PIPELINE, REPO / "runtime" / "kiln_runtime") for p in d.rglob("*.py")
+                  if p.name != "__init__.py" and "__pycache__" not in p.parts)
+    named = tested_modules()
+
+    def mirrored(m: str) -> bool:
+        parts = Path(m).with_suffix("").parts[1:]            # pipeline/release/system.py → release, system
+        return (REPO / "tests" / Path(*parts[:-1]) / f"test_{parts[-1]}.py").is_file()
+
+    def through(m: str) -> str | None:
+        return next((v for k, v in COVERED_THROUGH.items() if m == k or (k.endswith("/") and m.startswith(k))), None)
+
+    bare = [m for m in mods if m not in named and not mirrored(m) and through(m) is None]
+    assert not bare, "modules no test names (import one, mirror it in tests/<package>/, or name the feature test " \
+                     "in COVERED_THROUGH):\n  " + "\n  ".join(bare)
+    for ref in COVERED_THROUGH.values():
+        file, _, test = ref.partition("::")
+        assert (REPO / file).is_file(), ref
+        assert not test or re.search(rf"(?m)^def {test}\(", (REPO / file).read_text(encoding="utf-8")), ref
+    stale = [k for k in COVERED_THROUGH if not any(m == k or m.startswith(k) for m in mods)]
+    assert not stale, f"COVERED_THROUGH names what is no module: {stale}"

@@ -1,7 +1,7 @@
 """PyTorch → ONNX: `export_onnx` writes a model's graph with the dynamic axes its params declare.
 
 The exporter is pinned (params `export.exporter`, `export.opset`) because only a pinned exporter gives
-byte-identical files (tests/test_export.py exports twice in fresh processes and compares the bytes).
+byte-identical files (tests/models/test_export.py exports twice in fresh processes and compares the bytes).
 """
 
 from __future__ import annotations

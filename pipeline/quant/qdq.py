@@ -84,7 +84,7 @@ def quantize_graph(pre: Path, ranges: dict[str, dict[str, float]], recipe: Recip
                         f"the ranges belong to another graph; rebuild: dvc repro -f {address('calibrate')}")
     opts = recipe_options(recipe)
     # QDQQuantizer is what quantize_static drives after calibrating; ORT has no public entry point that takes
-    # precomputed ranges. Keyword arguments, ORT pinned in the lock, and tests/test_calibrate_quantize.py fails
+    # precomputed ranges. Keyword arguments, ORT pinned in the lock, and tests/quant/test_calibrate_quantize.py fails
     # loudly if the signature changes.
     quantizer = QDQQuantizer(model=model, per_channel=opts["per_channel"], reduce_range=recipe.reduce_range,
                              weight_qType=opts["weight_type"], activation_qType=opts["activation_type"],

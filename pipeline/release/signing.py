@@ -8,7 +8,7 @@ This is the one module that touches model-signing's private modules (`_model_sig
 
 Verifying (`verify_tree`, `signed_name`, `load_public_key`, `one_line`) lives in the runtime,
 kiln_runtime/signature.py, with `cryptography` alone: a deployment host checks a release without model-signing,
-sigstore or pydantic, and the build verifies with that same code. tests/test_runtime_signature.py checks that it and
+sigstore or pydantic, and the build verifies with that same code. tests/runtime/test_signature.py checks that it and
 model-signing's own verifier accept and refuse the same trees.
 """
 

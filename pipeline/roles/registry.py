@@ -4,7 +4,7 @@
 Like the target registry, it names each role's module without importing it, with the two facts params checks need
 (its task, whether it comes only from an ONNX file): config.py reads those from here, so validating params.yaml
 never loads a role module, and a stage's code closure — and what it imports at run time — holds only the role
-modules it lists (`modules`, for its `dynamic`). tests/test_roles.py checks each entry agrees with its role.
+modules it lists (`modules`, for its `dynamic`). tests/roles/test_roles.py checks each entry agrees with its role.
 """
 
 from __future__ import annotations

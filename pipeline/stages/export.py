@@ -3,7 +3,7 @@
 (A model delivered as ONNX — models.<m>.onnx — is imported by import@<model> instead: pipeline/stages/import_.py.)
 
 The exporter is pinned (params `export.exporter`) because only a pinned exporter gives byte-identical files;
-tests/test_export.py exports twice in fresh processes and compares the bytes. The parity check runs the ONNX in
+tests/models/test_export.py exports twice in fresh processes and compares the bytes. The parity check runs the ONNX in
 ONNX Runtime on the golden set and compares with the golden (PyTorch FP32) outputs: beyond `export.parity` the
 stage fails and writes nothing.
 """

@@ -333,7 +333,7 @@ class AotiRunner:
     `torch._inductor.aoti_load_package` wraps — because importing `torch._inductor` costs ≈ 1 s and that wrapper's
     pt2-archive path ≈ 1.1 s more, while the loader alone opens a package in ≈ 25 ms (cold start ≈ 3.2 s → ≈ 1.1 s,
     measured by bench@ with pipeline/coldstart.py). Every kiln program takes tensors and returns a tuple of tensors, so the flat
-    lists the loader speaks are its whole call spec; outputs are bit-identical (tests/test_aoti.py)."""
+    lists the loader speaks are its whole call spec; outputs are bit-identical (tests/targets/test_aoti.py)."""
 
     def __init__(self, engine_dir: Path) -> None:
         import torch

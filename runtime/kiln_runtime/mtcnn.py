@@ -23,7 +23,7 @@ nets' normalisation in one float32 division and one subtraction (``_net_input`` 
 R-/O-Net batch four gathers for every cell of every crop; P-Net's hits on all levels decoded at once; NMS as
 boolean overlap matrices for blocks of boxes (``_greedy``), with one call for the per-level NMS of all levels.
 Python loops remain over pyramid levels, R-/O-Net batches and the boxes NMS keeps. The detections are the same,
-bit for bit, as those of the plain per-level, per-box loops this replaced (tests/test_mtcnn_glue.py keeps such a
+bit for bit, as those of the plain per-level, per-box loops this replaced (tests/runtime/test_mtcnn_glue.py keeps such a
 reference and compares).
 """
 

@@ -32,7 +32,7 @@ def receipt_doc(name, root) -> dict:
     return json.loads((paths.receipt(name, root) / "receipt.json").read_text())
 
 FP32, INT8 = "embedder-ort-cpu-fp32", "embedder-ort-cpu-int8"   # engines of the repository's params.yaml
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_engine(root: Path, cfg, name: str, payload: bytes, verdict: str = "pass", bench: dict | None = None,

@@ -265,7 +265,7 @@ def test_every_registered_target_meets_the_whole_contract(name, built, cfg, tmp_
         assert why.startswith(f"no runtime for {name}")
         return
     if entry.source_kind != "onnx":
-        return      # aoti-cpu: tens of seconds per build from the torch.export program; tests/test_aoti.py runs it
+        return      # aoti-cpu: tens of seconds per build from the torch.export program; tests/targets/test_aoti.py runs it
     out, work = tmp_path / "engine", tmp_path / "work"
     out.mkdir(), work.mkdir()
     files = t.compile(paths.export("embedder", built) / paths.ONNX_FILE,

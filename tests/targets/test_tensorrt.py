@@ -32,7 +32,7 @@ from pipeline.targets.tensorrt import TensorRT, TrtOptions, build_plan, check_lo
 from pipeline.targets.trt_inspector import inspector_audit, norm_dtype, parse_inspector
 from pipeline.targets.trt_onnx import prepare_onnx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class NoTensorRT(importlib.abc.MetaPathFinder):

@@ -14,7 +14,7 @@ from pipeline.matching import gallery as g
 from pipeline.matching import index as ix
 from pipeline.matching.spec import IndexSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

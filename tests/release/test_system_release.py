@@ -1,7 +1,7 @@
 """System releases (issue 35 item 3): `kiln release --system`, `kiln verify-release` on a system archive, and
 `kiln identify --release ARCHIVE` — on real built engines and a real MLflow registry (SQLite).
 
-The engines and both system@ outputs come from test_system_registry.py's `sysroot` (imported: one scratch root
+The engines and both system@ outputs come from tests/registry/test_systems.py's `sysroot` (imported: one scratch root
 with the default system's five graphs on ORT, the embedder in FP32 and INT8). Here the INT8-embedder system is
 registered, promoted and released once per module.
 """
@@ -29,9 +29,9 @@ from pipeline.release.archive import safe_extract, write_archive
 from pipeline.data import list_photos, load_rgb
 from pipeline.errors import GateFailed, KilnError
 from pipeline.registry import aliases, systems
-from test_system_registry import FP32, INT8, NAME, SYSTEM, client, register_parts, sysroot, use  # noqa: F401
+from test_systems import FP32, INT8, NAME, SYSTEM, client, register_parts, sysroot, use  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REL = f"{NAME}-v1"
 slow = pytest.mark.slow        # on `sysroot`: six engines built, the system gated twice
 

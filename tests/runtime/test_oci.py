@@ -4,7 +4,7 @@ can lie or fail during `kiln-run pull` — each one `kiln-run: error:` line, not
 
 The archive here is a stand-in (random bytes): these cases fail before verification, which is what they test. The
 signed-release cases (push → pull → verify → serve, a re-signed archive, a tag re-pointed at another system) are in
-tests/test_system_release.py, on a real release.
+tests/release/test_system_release.py, on a real release.
 """
 
 from __future__ import annotations
