@@ -28,8 +28,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
                         "use their FP32 engine")
     p.add_argument("--release", nargs="?", const=True, default=None, metavar="ARCHIVE",
                    help="alone (after the photos): run the face system's production version from the registry — "
-                        "the parts it pins, downloaded and verified — instead of the local build; with ARCHIVE: run the face system of a system release "
-                        "(kiln release --system) from the verified archive alone — no checkout, no registry")
+                        "the parts it pins, downloaded and verified — instead of the local build; with ARCHIVE: run "
+                        "the face system of a system release (kiln release --system) from the verified archive "
+                        "alone — no checkout, no registry")
     p.add_argument("--key", help="with --release ARCHIVE: the publisher's public key (.pub) to verify it with")
     p.add_argument("--gallery", type=int, metavar="SIZE",
                    help="match through the chosen FAISS index of this gallery size (default: brute force over the "
