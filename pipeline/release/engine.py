@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from pipeline import paths
-from pipeline.release import attestation, signing
 from kiln_runtime.release import writing as _writing  # a full disk while staging: one line, as when extracting
-from pipeline.release.archive import safe_extract, write_archive  # noqa: F401 — safe_extract: tests read with it
+from pipeline import paths
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import identity_digest, json_bytes, manifest_path, sha256_file
+from pipeline.release import attestation, signing
+from pipeline.release.archive import safe_extract, write_archive  # noqa: F401 — safe_extract: tests read with it
 from pipeline.release.content import SCHEMA, check_content
 
 if TYPE_CHECKING:

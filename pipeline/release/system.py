@@ -46,16 +46,15 @@ from pydantic import Field, StrictInt, StrictStr
 
 from kiln_runtime.release import (CONFIG_FILE, EMBEDDINGS, ENGINES_DIR, GALLERY_DIR, LABELS, SCHEMA,  # noqa: F401
                                   SYSTEM_DIR, SYSTEM_FILE, TOP_DOCS, Deployed, check_gallery, check_system,
-                                  is_system_release, load)
+                                  is_system_release, load, read_doc, system_content, writing)
 from kiln_runtime.release import gallery_sha256 as _gallery_sha256
 from kiln_runtime.release import verified as runtime_verified
-from pipeline import paths
-from pipeline.release import attestation, signing
-from pipeline.release import engine as release
 from pipeline import config as C
+from pipeline import paths
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import build_manifest, identity_digest, json_bytes, manifest_path, read_verified
-from kiln_runtime.release import read_doc, system_content, writing
+from pipeline.release import attestation, signing
+from pipeline.release import engine as release
 
 if TYPE_CHECKING:
     from pipeline.config import Config

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline import paths
-from pipeline.report import systems as report_systems
 from pipeline.errors import KilnError
 from pipeline.manifest import SUFFIX, atomic_path, read_manifest
+from pipeline.report import systems as report_systems
 
 if TYPE_CHECKING:
     from pipeline.config import Config
