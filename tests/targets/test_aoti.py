@@ -74,9 +74,13 @@ def test_compiled_package_loads_matches_golden_and_verifies(program_dir, built, 
     toolchain_stage.run(cfg, built)
     r = compile_stage.run(cfg, ENGINE, built)          # the one AOTInductor compile of the suite (20–50 s)
     engine = paths.engine(ENGINE, built)
+    import fcntl
     import os
 
-    assert not (BUILD_ROOT / f"kiln-aoti-build-{os.getuid()}" / "build").exists(), "inductor build dir left behind"
+    base = BUILD_ROOT / f"kiln-aoti-build-{os.getuid()}"
+    with open(base / "lock", "w", encoding="utf-8") as lock:   # another checkout's compile (same user, same fixed
+        fcntl.flock(lock, fcntl.LOCK_EX)                       # directory) holds the lock while it builds there
+        assert not (base / "build").exists(), "inductor build dir left behind"
     manifest = engine / f"{ENGINE}.manifest.json"
     assert verify_manifest(manifest, root=built) == []
     m = read_manifest(manifest)
