@@ -67,7 +67,8 @@ def main() -> int:
     ap.add_argument("--build-venv", type=Path, default=Path(__file__).resolve().parents[1] / ".venv")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--streams", default="1,2,3,4,5,6,7,8", help="a finer grid than sysbench@'s: the ratio's resolution")
+    ap.add_argument("--streams", default="1,2,3,4,5,6,7,8",
+                    help="a finer grid than sysbench@'s: the ratio's resolution")
     args = ap.parse_args()
     kiln_run = args.runtime_venv / "bin" / "kiln-run"
     host = subprocess.run([str(args.runtime_venv / "bin" / "python"), "-c",

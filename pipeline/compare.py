@@ -271,7 +271,8 @@ def report(c: Comparison, top: int = 10) -> str:
                         f"{r.own_snr_db:.1f}"] for r in rs]
     lines = [f"compare: {c.a} vs {c.b} on {c.samples} samples; {len(c.layers)} intermediate tensors matched by name",
              "", "outputs (the unmodified graphs):", tables.markdown(head, rows(c.outputs)), "",
-             f"worst {top} layers by the error they add themselves (own SNR):", tables.markdown(head, rows(c.worst(top))), ""]
+             f"worst {top} layers by the error they add themselves (own SNR):",
+             tables.markdown(head, rows(c.worst(top))), ""]
     if c.first_bad:
         r = c.first_bad
         lines.append(f"first layer below {c.min_snr_db:g} dB SNR: {r.name} ({r.op}, depth {r.depth}): "

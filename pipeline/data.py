@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from kiln_runtime.images import MAX_PIXELS, MAX_SIDE, load_rgb  # noqa: F401 — photos decode as a deployment host decodes them
+# photos decode as a deployment host decodes them
+from kiln_runtime.images import MAX_PIXELS, MAX_SIDE, load_rgb  # noqa: F401
 from pipeline import paths
 from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
@@ -58,7 +59,8 @@ class ImageSet:
 def list_photos(root: Path) -> list[Photo]:
     root = Path(root)
     if not root.is_dir():
-        raise KilnError(f"{root}: photo folder not found", "set data.photos in params.yaml to <root>/<identity>/<image>")
+        raise KilnError(f"{root}: photo folder not found",
+                        "set data.photos in params.yaml to <root>/<identity>/<image>")
     photos = [Photo(d.name, f) for d in sorted(root.iterdir()) if d.is_dir()
               for f in sorted(d.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
     odd = next((p.path for p in photos if not p.path.is_file()), None)

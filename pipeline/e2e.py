@@ -26,7 +26,7 @@ import numpy as np
 
 from pipeline import engines, paths, samples
 from pipeline.dvcfiles import address
-from pipeline.config import MTCNN, Config, Decode
+from pipeline.config import MTCNN, Config, Decode, ModelConfig
 from pipeline.data import load_set
 from pipeline.errors import KilnError
 from kiln_runtime import system as run
@@ -274,7 +274,7 @@ class System:
                 for j, dist in zip(i[:, 0], d[:, 0])]
 
 
-def _reference(mcfg, root: Path) -> Callable[..., tuple[np.ndarray, ...]]:
+def _reference(mcfg: ModelConfig, root: Path) -> Callable[..., tuple[np.ndarray, ...]]:
     """One model's reference graph as numpy inputs → tuple of numpy outputs."""
     if mcfg.factory is None:
         from pipeline import onnx_import

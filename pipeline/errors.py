@@ -3,7 +3,8 @@ processes treat SIGTERM. The CLI prints `kiln: error: <what>` and `hint: <fix>` 
 
 from __future__ import annotations
 
-from kiln_runtime.errors import GateFailed, KilnError, deferred_signals  # noqa: F401 — one error type, build and runtime
+# one error type, build and runtime
+from kiln_runtime.errors import GateFailed, KilnError, deferred_signals  # noqa: F401
 
 
 class Terminated(KeyboardInterrupt):

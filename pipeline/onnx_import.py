@@ -31,6 +31,7 @@ import hashlib
 import re
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -38,6 +39,10 @@ from onnx import external_data_helper, numpy_helper
 
 from pipeline.errors import KilnError
 from pipeline.userfiles import open_regular
+
+if TYPE_CHECKING:
+    from pipeline.config import ModelConfig
+    from pipeline.roles.base import Role
 
 # ops evaluated once at import when every input is a constant (weights): shape/format ops and weight dequantization
 FOLDABLE = ("DequantizeLinear", "Reshape", "Transpose", "Cast", "Unsqueeze", "Squeeze", "Identity", "Flatten",
@@ -115,7 +120,7 @@ def verify_source(path: Path, sha256: str, model: str, external: dict[str, str] 
     return proto
 
 
-def load_source(mcfg, root: Path) -> onnx.ModelProto:
+def load_source(mcfg: ModelConfig, root: Path) -> onnx.ModelProto:
     """A model's ONNX source as params.yaml pins it (models.<m>.onnx: path, sha256, external)."""
     return verify_source(root / mcfg.onnx.path, mcfg.onnx.sha256, mcfg.name, mcfg.onnx.external)
 
@@ -437,7 +442,7 @@ def _loops(g: onnx.GraphProto) -> list[str]:
     return out
 
 
-def check_io(proto: onnx.ModelProto, mcfg, source: str, role, layout: str | None = None) -> dict:
+def check_io(proto: onnx.ModelProto, mcfg: ModelConfig, source: str, role: Role, layout: str | None = None) -> dict:
     """The graph's one input matches models.<m>.input_shape (channels first; channels last when `layout` — by default
     models.<m>.layout — is nhwc), its outputs `role` (the model's, pipeline/roles/: the caller's, so this module
     never loads roles), and it has no Loop; else one clear error."""
@@ -473,7 +478,7 @@ def check_io(proto: onnx.ModelProto, mcfg, source: str, role, layout: str | None
     return {"inputs": {g.input[0].name: dims}, "outputs": outs}
 
 
-def check_source(proto: onnx.ModelProto, mcfg, source: str, role) -> tuple[onnx.ModelProto, dict]:
+def check_source(proto: onnx.ModelProto, mcfg: ModelConfig, source: str, role: Role) -> tuple[onnx.ModelProto, dict]:
     """The first half of the import, up to the I/O check of the file's own graph: golden@ runs it before its
     reference runs the model, import@ (`prepare`) goes on from it."""
     m, structural = runnable(proto)
@@ -584,7 +589,7 @@ def reference_session(proto: onnx.ModelProto, layout: str = "nchw", axes=()):
     return run, names
 
 
-def prepare(proto: onnx.ModelProto, mcfg, source: str, role) -> tuple[onnx.ModelProto, dict]:
+def prepare(proto: onnx.ModelProto, mcfg: ModelConfig, source: str, role: Role) -> tuple[onnx.ModelProto, dict]:
     """The whole import: runnable → opset floor → weights folded → I/O checks → NCHW input → dynamic batch →
     shapes → I/O checks."""
     m, checked = check_source(proto, mcfg, source, role)

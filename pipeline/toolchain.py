@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln_runtime.host import CLASS_FLAGS, ISA_FLAGS, cpu, host_class  # noqa: F401 — a deployment host classes itself the same way
+# a deployment host classes itself the same way
+from kiln_runtime.host import CLASS_FLAGS, ISA_FLAGS, cpu, host_class  # noqa: F401
 
 PYTHON_TOOLCHAIN = "artifacts/toolchain/python.yaml"          # the toolchain stage's package versions
 

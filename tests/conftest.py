@@ -130,8 +130,9 @@ def versus_ort(report: dict, engines: tuple[str, ...]) -> str:
     """One line: each engine's batch-1 p50, its ratio to ORT FP32 in the same run, and its cold start."""
     rep = report["engines"]
     ort = rep[ORT_FP32]["b1_p50_ms"]
-    return "\n" + "  ".join(f"{n.removeprefix('embedder-')}: b1 {rep[n]['b1_p50_ms']:.2f} ms ({ort / rep[n]['b1_p50_ms']:.2f}× "
-                            f"ORT FP32), cold start {rep[n]['cold_start_ms']:.0f} ms" for n in engines)
+    return "\n" + "  ".join(f"{n.removeprefix('embedder-')}: b1 {rep[n]['b1_p50_ms']:.2f} ms "
+                            f"({ort / rep[n]['b1_p50_ms']:.2f}× ORT FP32), cold start {rep[n]['cold_start_ms']:.0f} ms"
+                            for n in engines)
 
 
 def load_in_fresh_process(target: str, engine: Path, shape: tuple[int, ...], heavy: tuple[str, ...], out: Path):

@@ -36,9 +36,10 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
     real `mlflow server` on PostgreSQL as the shared registry (scripts/registry-server.sh).
 
     A (cpu-x86: the built copy) pushes its cache and run cache and syncs its engines into the registry.
-    B (rtx: `kiln profile rtx`, its two detector engines) starts from A's dvc.lock with an empty cache; `dvc repro --pull --allow-missing`
-      runs only its own target's stages — plus the benches of the models that gained an engine and the two reports
-      over all engines — and registers its engines as `built` (promotion refuses them); it pushes.
+    B (rtx: `kiln profile rtx`, its two detector engines) starts from A's dvc.lock with an empty cache;
+      `dvc repro --pull --allow-missing` runs only its own target's stages — plus the benches of the models that
+      gained an engine and the two reports over all engines — and registers its engines as `built` (promotion
+      refuses them); it pushes.
     C (release) pulls what both pushed, verifies every artifact, syncs (nothing new: nothing registered twice),
       promotes A's INT8 engine, and `dvc repro` runs nothing.
     D (no dvc.lock at all) gets the INT8 engine by `dvc repro --pull`: restored from the shared run cache."""

@@ -122,4 +122,5 @@ def test_debug_precision_stage_stores_the_report_with_a_manifest(built, cfg, qdq
     assert doc["results"]["first_bad"] is None and doc["results"]["outputs"][0]["name"] == "output"
     assert [i["role"] for i in doc["inputs"]] == ["fp32", "int8"]
     again = debug_precision.run(cfg, "embedder-ort", built)                   # one thread: the same bytes
-    assert (again.directory / debug_precision.LAYERS_FILE).read_bytes() == (r.directory / debug_precision.LAYERS_FILE).read_bytes()
+    layers = debug_precision.LAYERS_FILE
+    assert (again.directory / layers).read_bytes() == (r.directory / layers).read_bytes()

@@ -90,8 +90,8 @@ def test_photo_without_a_face_stops_the_set(tmp_path, assets_dir, cfg):
     (tmp_path / "wall").mkdir()
     Image.fromarray(np.full((200, 200, 3), 128, np.uint8)).save(tmp_path / "wall" / "grey.png")
     with pytest.raises(KilnError, match="grey.png: no face found"):
-        build_set(list_photos(tmp_path), mtcnn_landmarker([assets_dir / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet")], 40),
-                  cfg.data, cfg.data.sets["golden"])
+        weights = [assets_dir / "mtcnn" / f"{n}.pt" for n in ("pnet", "rnet", "onet")]
+        build_set(list_photos(tmp_path), mtcnn_landmarker(weights, 40), cfg.data, cfg.data.sets["golden"])
 
 
 def test_built_sets_separate_identities(built):

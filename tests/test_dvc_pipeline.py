@@ -64,10 +64,10 @@ def test_repro_builds_then_reruns_nothing(repo):
 
 @pytest.mark.slow
 def test_a_fresh_clone_reproduces_the_committed_lock(repo):
-    """Same bytes at another path, on any CPU: every stage gets a class (pipeline/dagtools/lockdiff.py). A stage with the
-    committed inputs gives the committed outputs; the portable stages (datasets, golden references, export,
-    program, calibration, quantization) have the committed inputs on every x86-64 CPU, so they are bit-identical
-    there too; only compile@ (the ISA is a target rebuild key) and what reads its engines may differ, each named."""
+    """Same bytes at another path, on any CPU: every stage gets a class (pipeline/dagtools/lockdiff.py). A stage with
+    the committed inputs gives the committed outputs; the portable stages (datasets, golden references, export, program,
+    calibration, quantization) have the committed inputs on every x86-64 CPU, so they are bit-identical there too; only
+    compile@ (the ISA is a target rebuild key) and what reads its engines may differ, each named."""
     from pipeline.dagtools.lockdiff import classify_all, isa, portable_groups, render
 
     committed, built = read_locks(REPO), read_locks(repo)
@@ -167,7 +167,8 @@ def test_fingerprint_change_rebuilds_only_that_target_and_a_revert_restores_from
 
 
 def repo_engines(root: Path, target: str) -> list[str]:
-    return [n for n, e in yaml.safe_load((root / "params.yaml").read_text())["engines"].items() if e["target"] == target]
+    engines = yaml.safe_load((root / "params.yaml").read_text())["engines"]
+    return [n for n, e in engines.items() if e["target"] == target]
 
 
 # The opt-in targets (profiles/edge.yaml, xla.yaml, tvm.yaml): each one's embedder FP32 engine, the rebuild key whose
@@ -441,7 +442,8 @@ def test_failing_gate_stops_the_dag(repo):
         assert any(s.startswith("validate@") for s in stages), r.stdout
         assert not any(s.startswith(("bench@", "register@")) for s in stages), r.stdout
         assert "gate failed" in r.stderr + r.stdout
-        verdicts = [json.loads(p.read_text())["verdict"] for p in (repo / "artifacts/validation").rglob("validation.json")]
+        verdicts = [json.loads(p.read_text())["verdict"]
+                    for p in (repo / "artifacts/validation").rglob("validation.json")]
         assert "fail" in verdicts
     finally:
         params.write_text(original)

@@ -31,7 +31,8 @@ RNG = np.random.default_rng(7)
 CHIPS = roles.get("chips")             # the role a chips model's outputs are checked against
 
 
-def _tiny(batch: int = 1, in_ch: int = 3, size: int = 8, out_rank: int = 2, extra_input: bool = False) -> onnx.ModelProto:
+def _tiny(batch: int = 1, in_ch: int = 3, size: int = 8, out_rank: int = 2,
+          extra_input: bool = False) -> onnx.ModelProto:
     """Conv (block-quantized int8 weights + Reshape) → BN → PRelu → BN → Dropout → Flatten → Gemm → BN, IR 6 style."""
     c = 4
     w = RNG.normal(0, 0.3, (c, in_ch * 3 * 3)).astype(np.float32)
@@ -53,8 +54,11 @@ def _tiny(batch: int = 1, in_ch: int = 3, size: int = 8, out_rank: int = 2, extr
               numpy_helper.from_array(RNG.normal(0, 0.1, 5).astype(np.float32), "bn_c_beta"),
               numpy_helper.from_array(RNG.normal(0, 0.1, 5).astype(np.float32), "bn_c_mean"),
               numpy_helper.from_array(RNG.uniform(0.5, 2, 5).astype(np.float32), "bn_c_var")]
-    bn = lambda x, n, y: helper.make_node("BatchNormalization", [x, f"{n}_g", f"{n}_beta", f"{n}_mean", f"{n}_var"],  # noqa: E731
-                                          [y], epsilon=1e-3)
+
+    def bn(x: str, n: str, y: str) -> onnx.NodeProto:
+        return helper.make_node("BatchNormalization", [x, f"{n}_g", f"{n}_beta", f"{n}_mean", f"{n}_var"], [y],
+                                epsilon=1e-3)
+
     nodes = [helper.make_node("DequantizeLinear", ["w_q", "w_scale"], ["w_flat"], axis=1, block_size=9),
              helper.make_node("Reshape", ["w_flat", "w_shape"], ["w"]),
              helper.make_node("Conv", ["data", "w", "b"], ["conv"], pads=[1, 1, 1, 1]),
@@ -68,7 +72,8 @@ def _tiny(batch: int = 1, in_ch: int = 3, size: int = 8, out_rank: int = 2, extr
         nodes[-1].output[0] = "emb2"
         nodes.append(helper.make_node("Reshape", ["emb2", "oshape"], ["emb"]))
     inputs = [helper.make_tensor_value_info("data", TensorProto.FLOAT, [batch, in_ch, size, size])]
-    inputs += [helper.make_tensor_value_info("unfed_weight_copy", TensorProto.FLOAT, [c, in_ch, 3, 3])]  # nothing reads it
+    # nothing reads it
+    inputs += [helper.make_tensor_value_info("unfed_weight_copy", TensorProto.FLOAT, [c, in_ch, 3, 3])]
     if extra_input:
         inputs.append(helper.make_tensor_value_info("second", TensorProto.FLOAT, [batch, 2]))
         inits.append(numpy_helper.from_array(np.ones((1, 2), np.float32), "two"))
@@ -215,7 +220,8 @@ def test_a_model_added_by_params_alone_gets_its_own_stages(tmp_path):
     assert sorted(imp["foreach"]) == ["retinaface", "sface", "yunet"]
     assert "sface" not in stages["dag/export/dvc.yaml"]["export"]["foreach"]     # import@, not export@
     assert {"golden-sface", "calibration-sface"} <= set(stages["dag/dataset/dvc.yaml"]["dataset"]["foreach"])
-    assert {"sface-ort-cpu-fp32", "sface-openvino-cpu-fp32"} <= set(stages["dag/compile/dvc.yaml"]["compile"]["foreach"])
+    compiles = set(stages["dag/compile/dvc.yaml"]["compile"]["foreach"])
+    assert {"sface-ort-cpu-fp32", "sface-openvino-cpu-fp32"} <= compiles
     assert "sface" in stages["dag/calibrate/dvc.yaml"]["calibrate"]["foreach"]
     # its stages read its own file and chips, not the dlib weights or the default chips
     golden = dag.deps_of(dag.find("golden"), cfg, "sface")
@@ -373,10 +379,15 @@ def test_batchnorm_folding_keeps_what_a_subgraph_reads():
     for name in ("bn1", "bn2"):
         inits += [numpy_helper.from_array(RNG.uniform(0.5, 1.5, c).astype(np.float32), f"{name}_{k}")
                   for k in ("g", "beta", "mean", "var")]
-    bn = lambda x, n, y: helper.make_node("BatchNormalization", [x, *(f"{n}_{k}" for k in ("g", "beta", "mean", "var"))],  # noqa: E731
-                                          [y])
+
+    def bn(x: str, n: str, y: str) -> onnx.NodeProto:
+        return helper.make_node("BatchNormalization", [x, *(f"{n}_{k}" for k in ("g", "beta", "mean", "var"))], [y])
+
     out = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, c, 4, 4])  # noqa: E731
-    branch = lambda op: helper.make_graph([helper.make_node(op, ["c2", "k"], [f"r_{op}"])], op, [], [out(f"r_{op}")])  # noqa: E731
+
+    def branch(op: str) -> onnx.GraphProto:
+        return helper.make_graph([helper.make_node(op, ["c2", "k"], [f"r_{op}"])], op, [], [out(f"r_{op}")])
+
     nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"]), bn("c1", "bn1", "y1"),
              helper.make_node("Conv", ["x", "w2"], ["c2"]), bn("c2", "bn2", "y2"),
              helper.make_node("Constant", [], ["k"], value=numpy_helper.from_array(np.float32(0.5))),

@@ -286,7 +286,7 @@ def test_sigterm_anywhere_in_release_leaves_no_scratch(cfg, root, keys, tmp_path
     _production(cfg, root)
     for i, (module, attr, nth) in enumerate([("pipeline.registry.aliases", "download_verified", 1),
                                              ("pipeline.release.signing", "sign_tree", 1),
-                                             ("os", "fsync", 2),             # place_archive's copy is written, not renamed
+                                             ("os", "fsync", 2),        # place_archive's copy is written, not renamed
                                              ("pipeline.release.engine", "record_release", 1)]):
         scratch, out = tmp_path / f"scratch{i}", tmp_path / f"out{i}"
         env = _env(_release_env(root, scratch))

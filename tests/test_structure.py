@@ -6,8 +6,8 @@ nothing of the build, its lock holds nothing of the build and pins the build's v
 like pipeline/ code.
 
 Imports are read as the DAG reads them: by the project's own reader (`_direct`, beside `closure`; module-level and
-function-level imports alike, `if TYPE_CHECKING:` blocks excepted). Closures are those of the declarations rendered
-in memory (pipeline/dagtools/dag.py `render` of the repository's params.yaml), never the committed dvc.yaml. Fast: nothing
+function-level imports alike, `if TYPE_CHECKING:` blocks excepted). Closures are those of the declarations rendered in
+memory (pipeline/dagtools/dag.py `render` of the repository's params.yaml), never the committed dvc.yaml. Fast: nothing
 is built, nothing runs but the reader and the renderer.
 """
 
@@ -209,6 +209,51 @@ def test_each_stage_module_is_short():
     long = {m: n for m in stage_modules() if (n := len((REPO / m).read_text().splitlines())) > MAX_STAGE_LINES}
     assert not long, f"stage modules over {MAX_STAGE_LINES} lines: " + ", ".join(
         f"{m} ({n})" for m, n in sorted(long.items(), key=lambda x: -x[1]))
+
+
+MAX_COLUMNS = 120
+CODE_DIRS = ("pipeline", "runtime/kiln_runtime", "tests", "bench", "scripts")
+
+
+def code_files() -> list[Path]:
+    return sorted(p for d in CODE_DIRS for p in (REPO / d).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_no_line_is_wider_than_the_house_width():
+    """The house reads at 120 columns: code, docstrings and comments alike."""
+    wide = [f"{rel(p)}:{i} ({len(line)})" for p in code_files()
+            for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if len(line) > MAX_COLUMNS]
+    assert not wide, f"lines over {MAX_COLUMNS} columns:\n  " + "\n  ".join(wide)
+
+
+def untyped_config(path: Path) -> list[str]:
+    """Parameters that carry configuration (named `cfg` or `…cfg`: the Config, or a slice such as a ModelConfig)
+    without an annotation."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            out += [f"{path.name}:{node.lineno} {node.name}({a.arg})"
+                    for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+                    if a.arg.endswith("cfg") and a.annotation is None]
+    return out
+
+
+def test_config_is_typed_at_every_boundary():
+    """Every function of the build and the runtime that takes configuration says which: `cfg: Config`, `mcfg:
+    ModelConfig`, … (imported under TYPE_CHECKING where only the annotation needs it: no import cost, no closure)."""
+    untyped = [f"{rel(p.parent)}/{u}" for p in code_files() if not rel(p).startswith(("tests/", "bench/", "scripts/"))
+               for u in untyped_config(p)]
+    assert not untyped, "configuration parameters without a type:\n  " + "\n  ".join(untyped)
+
+
+def test_the_config_type_check_sees_an_untyped_slice(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(cfg: 'Config', mcfg, x):\n    pass\nclass A:\n    def g(self, *, dcfg=None):\n"
+                   "        pass\n", encoding="utf-8")
+    assert [u.split(" ", 1)[1] for u in untyped_config(src)] == ["f(mcfg)", "g(dcfg)"]
 
 
 # ---------------------------------------------------------------------------------------------- (d) closures
@@ -592,17 +637,21 @@ COVERED_THROUGH = {
     "pipeline/userfiles.py": "tests/test_reliability_inputs.py",                   # every user file Kiln opens
     "pipeline/models/program.py": "tests/targets/test_aoti.py::test_program_stage_writes_a_loadable_program",
     "pipeline/quant/contract.py": "tests/quant/test_calibrate_quantize.py",
-    "pipeline/registry/receipts.py": "tests/registry/test_registry.py::test_register_is_idempotent_and_new_bytes_make_a_new_candidate",
-    "pipeline/release/attestation.py": "tests/release/test_release.py::test_release_is_deterministic_signed_recorded_and_verifies_offline",
+    "pipeline/registry/receipts.py":
+        "tests/registry/test_registry.py::test_register_is_idempotent_and_new_bytes_make_a_new_candidate",
+    "pipeline/release/attestation.py":
+        "tests/release/test_release.py::test_release_is_deterministic_signed_recorded_and_verifies_offline",
     "pipeline/release/content.py": "tests/release/test_release.py::test_every_tampering_fails_naming_the_item",
     "pipeline/targets/build.py": "tests/targets/test_targets.py::test_every_registered_target_meets_the_whole_contract",
-    "pipeline/targets/litert_convert.py": "tests/targets/test_litert.py::test_int8_is_full_integer_with_nhwc_io_and_both_are_checked_reproducible",
+    "pipeline/targets/litert_convert.py":
+        "tests/targets/test_litert.py::test_int8_is_full_integer_with_nhwc_io_and_both_are_checked_reproducible",
     "pipeline/targets/trt_options.py": "tests/targets/test_tensorrt.py::test_params_map_to_builder_plan",
-    "runtime/kiln_runtime/": "tests/release/test_system_release.py::test_the_runtime_alone_runs_the_release_as_the_build_does",
+    "runtime/kiln_runtime/":
+        "tests/release/test_system_release.py::test_the_runtime_alone_runs_the_release_as_the_build_does",
 }
 
 
-def tested_modules() -> set[str]:
+def modules_named_by_tests() -> set[str]:
     """The checkout's modules some test imports (the DAG's own reader on every test file)."""
     r = reader()
     return {rel(f) for t in (REPO / "tests").rglob("*.py") if "__pycache__" not in t.parts
@@ -615,7 +664,7 @@ def test_tests_mirror_the_source_and_name_every_module():
     exist (file and test function)."""
     mods = sorted(rel(p) for d in (PIPELINE, REPO / "runtime" / "kiln_runtime") for p in d.rglob("*.py")
                   if p.name != "__init__.py" and "__pycache__" not in p.parts)
-    named = tested_modules()
+    named = modules_named_by_tests()
 
     def mirrored(m: str) -> bool:
         parts = Path(m).with_suffix("").parts[1:]            # pipeline/release/system.py → release, system

@@ -11,7 +11,11 @@ from pipeline.cli.common import load_cfg
 from pipeline.errors import KilnError
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from kiln_runtime.system import System as DeployedSystem
     from pipeline.config import Config
+    from pipeline.e2e import System
 
 NAME = "identify"
 HELP = ("detect, align, embed and match faces in photos using only built, verified engines (exit 1 if a photo "
@@ -117,7 +121,7 @@ def _identify_release(args, rgbs) -> int:
         return _print_identities(d.system, rgbs)
 
 
-def _print_identities(system, rgbs) -> int:
+def _print_identities(system: System | DeployedSystem, rgbs: list[tuple[str, np.ndarray]]) -> int:
     """kiln_runtime.cli's: `kiln identify` prints what `kiln-run identify` prints on a deployment host."""
     from kiln_runtime.cli import print_identities
 

@@ -1,5 +1,5 @@
-"""dvc.yaml, derived: every stage module's declaration (`STAGE`, pipeline/stage.py; found by pipeline/dagtools/catalog.py)
-rendered as the DVC pipeline.
+"""dvc.yaml, derived: every stage module's declaration (`STAGE`, pipeline/stage.py; found by
+pipeline/dagtools/catalog.py) rendered as the DVC pipeline.
 
 `kiln dag --check` fails when the committed dvc.yaml differs from what the code and params.yaml declare (a stage
 that imports a module it does not list as a dependency, a model whose weights are not its own stages' deps, a new

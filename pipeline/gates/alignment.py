@@ -12,9 +12,10 @@ from pipeline.roles import inputs
 
 if TYPE_CHECKING:
     from pipeline.config import Config
+    from pipeline.roles.aligner import Aligner
 
 
-def aligner_metrics(cfg: Config, model: str, runner, root: Path, role) -> dict[str, float]:
+def aligner_metrics(cfg: Config, model: str, runner, root: Path, role: Aligner) -> dict[str, float]:
     from pipeline.gates.reference import load_reference
 
     _, reference = load_reference(paths.golden(model, root))

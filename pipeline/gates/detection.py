@@ -14,6 +14,9 @@ from pipeline.roles import inputs
 
 if TYPE_CHECKING:
     from pipeline.config import Config
+    from pipeline.roles.mtcnn import MtcnnNet
+    from pipeline.roles.retinaface import RetinaFace
+    from pipeline.roles.singleshot import SingleShot
 
 
 def box_iou(a, b) -> float:
@@ -39,7 +42,7 @@ def lfw_crops(size: int, preprocess=None) -> tuple[np.ndarray, np.ndarray]:
     return x, np.r_[np.ones(100, bool), np.zeros(len(imgs) - 100, bool)]
 
 
-def detector_metrics(cfg: Config, net: str, runner, root: Path, role) -> dict[str, float]:
+def detector_metrics(cfg: Config, net: str, runner, root: Path, role: MtcnnNet) -> dict[str, float]:
     """Swap this net's engine into the reference (PyTorch) cascade: do the same faces come out? `role`: the net's
     (pipeline/roles/mtcnn.py): its place in the cascade and its crop size."""
     from pipeline.data import list_photos, load_rgb
@@ -90,7 +93,7 @@ def _match(ref: list, got: list, ious: list, errs: list, score_d: list) -> None:
             score_d.append(abs(best.score - f.score))
 
 
-def retinaface_metrics(cfg: Config, model: str, runner, root: Path, role) -> dict[str, float]:
+def retinaface_metrics(cfg: Config, model: str, runner, root: Path, role: RetinaFace) -> dict[str, float]:
     """A single-shot detector: the engine's decoded faces vs the reference's (golden@: ORT on the original) on
     every photo, and face / non-face decisions on skimage's lfw_subset against the reference run on the same."""
     from pipeline import onnx_import
@@ -120,7 +123,7 @@ def retinaface_metrics(cfg: Config, model: str, runner, root: Path, role) -> dic
             "lfw_faces_found": int(p_got[:100].sum()), "lfw_nonfaces_accepted": int(p_got[100:].sum())}
 
 
-def singleshot_metrics(cfg: Config, model: str, runner, root: Path, role) -> dict[str, float]:
+def singleshot_metrics(cfg: Config, model: str, runner, root: Path, role: SingleShot) -> dict[str, float]:
     """A declared single-shot detector (kiln_runtime/singleshot.py): as `retinaface_metrics`, its outputs read by
     name (golden@'s reference names, the engine runner's `output_names`); lfw crops at LFW_RETINAFACE px, decided by
     the best prior's score against the declared threshold."""

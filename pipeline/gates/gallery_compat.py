@@ -35,7 +35,7 @@ from pipeline.roles import registry as roles
 from pipeline.vectors import as_l2
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config import Config, ModelConfig
 
 COMPATIBLE, RE_ENROLL = "compatible", "re-enroll required"
 CHECKS = (("top1_agreement", ">=", "top1_agreement_min"), ("decision_flips", "<=", "decision_flips_max"),
@@ -90,7 +90,7 @@ def _side(d: np.ndarray, near: np.ndarray, thr: float, g_lab: np.ndarray, p_lab:
             "far": float(accept[~genuine].mean()) if (~genuine).any() else 0.0}
 
 
-def measure(mcfg, production: np.ndarray, candidate: np.ndarray, labels: np.ndarray, plain: np.ndarray
+def measure(mcfg: ModelConfig, production: np.ndarray, candidate: np.ndarray, labels: np.ndarray, plain: np.ndarray
             ) -> dict[str, Any]:
     """The metrics from both engines' embeddings of the same chips (`plain`: the enrolled, un-augmented rows)."""
     p, thr = as_l2(production, mcfg.verify_threshold, mcfg.metric)

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
 
 from pipeline import samples
 from pipeline.errors import KilnError
+
+if TYPE_CHECKING:
+    from pipeline.config import ModelConfig
 
 
 def npy_bytes(a: np.ndarray) -> bytes:
@@ -42,8 +45,8 @@ def output_names(model: torch.nn.Module) -> list[str]:
     return list(getattr(model, "output_names", ["output"]))
 
 
-def onnx_reference(mcfg, feeds: Sequence[samples.Feed], root: Path) -> tuple[list[list[np.ndarray]], list[str],
-                                                                             str | None]:
+def onnx_reference(mcfg: ModelConfig, feeds: Sequence[samples.Feed],
+                   root: Path) -> tuple[list[list[np.ndarray]], list[str], str | None]:
     """ONNX Runtime on the original (pinned, checked) file: outputs per feed, the output names, and what the
     reference had to do to run it (None: the file as it is). The file's I/O is checked first, as import@ checks it:
     a wrong input shape or layout, or a Loop, is one clear error."""

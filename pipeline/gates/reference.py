@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline import models
 from pipeline.manifest import file_input, manifest_path, read_verified
 
+if TYPE_CHECKING:
+    from pipeline.config import ModelConfig
 
-def source_inputs(mcfg, root: Path) -> list[dict]:
+
+def source_inputs(mcfg: ModelConfig, root: Path) -> list[dict]:
     """Manifest inputs (digests) of the files the model's graph is read from (models.weight_deps)."""
     if mcfg.onnx is None:
         return [file_input("weights", root / w, root) for w in models.weight_deps(mcfg)]

@@ -32,6 +32,7 @@ from pipeline.vectors import as_l2
 
 if TYPE_CHECKING:
     from pipeline.config import Config
+    from pipeline.e2e import System
 
 MATCH_IOU = 0.5         # a system face is the reference face's when their boxes overlap at least this much
 CHECKS = (("box_iou_min", ">=", "box_iou_min"), ("faces_missed", "<=", "faces_missed_max"),
@@ -39,7 +40,7 @@ CHECKS = (("box_iou_min", ">=", "box_iou_min"), ("faces_missed", "<=", "faces_mi
           ("decision_agreement", ">=", "decision_agreement_min"))
 
 
-def run_photos(system, cfg: Config, root: Path) -> list[tuple[str, list, list]]:
+def run_photos(system: System, cfg: Config, root: Path) -> list[tuple[str, list, list]]:
     """(photo, matches with the whole gallery, matches leave-one-out) per pinned photo; `system` is enrolled."""
     gset = load_set(paths.data_set(samples.chip_set(cfg, cfg.system(system.system).embedder, "golden"), root))
     enrolled = [s["photo"] for s in gset.index["samples"] if s["augmentation"] is None]

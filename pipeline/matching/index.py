@@ -163,7 +163,9 @@ def recall_at_k(exact_ids: np.ndarray, approx_ids: np.ndarray, k: int, exact_dis
     if min(exact_ids.shape[1], approx_ids.shape[1]) < k:
         raise KilnError(f"recall@{k} needs at least {k} results per query")
     e, a = exact_ids[:, :k], approx_ids[:, :k]
-    hits = sum(len(np.intersect1d(er, ar[ar >= 0])) for er, ar in zip(e, a)) if k > 1 else int((e[:, 0] == a[:, 0]).sum())
+    if k == 1:
+        return int((e[:, 0] == a[:, 0]).sum()) / len(e)
+    hits = sum(len(np.intersect1d(er, ar[ar >= 0])) for er, ar in zip(e, a))
     return hits / (len(e) * k)
 
 
@@ -200,8 +202,8 @@ def memory_bandwidth_gbps(mib: int = 256, repeats: int = 3) -> float:
 
 
 def gemv_scan_ms(vectors: np.ndarray, queries: np.ndarray, runs: int = 20, max_s: float = 2.0) -> float:
-    """p50 ms of a plain BLAS exact scan at batch 1 (‖x‖² − 2 x·q, argmin), one BLAS thread: the bandwidth bound's
-    reference point beside faiss's IndexFlatL2 (which runs at about single-thread copy speed)."""
+    """p50 ms of a plain BLAS exact scan at batch 1 (‖x‖² − 2 x·q, argmin), one BLAS thread: the bandwidth
+    bound's reference point beside faiss's IndexFlatL2 (which runs at about single-thread copy speed)."""
     from threadpoolctl import threadpool_limits
 
     x = np.ascontiguousarray(vectors, dtype=np.float32)

@@ -1,8 +1,8 @@
 """5-point similarity alignment: landmarks → a chip on a fixed template, as an exportable graph.
 
 `fit_similarity` / `chip_transform` (kiln_runtime/align.py: a deployment host fits the same way) solve the similarity
-that maps template points onto the detected landmarks; `Aligner` is the warp itself — `affine_grid`-style sampling grid + `grid_sample` (bilinear) —
-so it exports to ONNX (GridSample, opset ≥ 16) and compiles like any other graph.
+that maps template points onto the detected landmarks; `Aligner` is the warp itself — `affine_grid`-style sampling
+grid + `grid_sample` (bilinear) — so it exports to ONNX (GridSample, opset ≥ 16) and compiles like any other graph.
 
 Coordinates are pixel centres: chip pixel (u, v) samples the image at `M @ [u, v, 1]`.
 """

@@ -258,7 +258,8 @@ def download_verified(reg: Registry, name: str, version: int, dst: Path) -> Veri
         try:
             return read_manifest(path)
         except KilnError as e:
-            raise GateFailed(f"{name} v{version}: stored {what} unreadable: {e.message.replace(str(local) + os.sep, '')}",
+            why = e.message.replace(str(local) + os.sep, "")
+            raise GateFailed(f"{name} v{version}: stored {what} unreadable: {why}",
                              "the artifact store was altered; do not ship it") from None
 
     manifest = read(manifest_path(local, artifact), "manifest")

@@ -292,7 +292,8 @@ class Registry:
             if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
                 raise
             raise KilnError(f"no registered model {name!r} at {redact(self.uri)}",
-                            "register it first (dvc repro, or kiln registry sync), or check MLFLOW_TRACKING_URI") from None
+                            "register it first (dvc repro, or kiln registry sync), "
+                            "or check MLFLOW_TRACKING_URI") from None
 
     # ------------------------------------------------------------------------------------------ locks
     @contextmanager

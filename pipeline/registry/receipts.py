@@ -24,7 +24,8 @@ RECEIPT_FILE = "receipt.json"
 REPAIRED = "; its interrupted registration was completed (alias and history)"
 
 
-def write_receipt(cfg: Config, spec: stage.Stage, key: str, art: reg.Registrable, receipt: reg.Receipt, root: Path) -> Path:
+def write_receipt(cfg: Config, spec: stage.Stage, key: str, art: reg.Registrable, receipt: reg.Receipt,
+                  root: Path) -> Path:
     out = paths.receipt(art.name, root)
     with atomic_dir(out) as d:
         write_json_atomic(d / RECEIPT_FILE, {"kind": art.kind, **receipt.content()})

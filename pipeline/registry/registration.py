@@ -118,7 +118,8 @@ def flat_params(prefix: str, value: Any) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------- what to register
-def engine_registrable(cfg: Config, engine_name: str, root: Path = Path("."), host_class: str | None = None) -> Registrable:
+def engine_registrable(cfg: Config, engine_name: str, root: Path = Path("."),
+                       host_class: str | None = None) -> Registrable:
     """An engine as registration sees it, with its bench row when its model was benched. `host_class`: the class the
     bench belongs to; default the one the bench report names (the host that benched it), else the class of the ISA
     list it recorded (a report from before host classes)."""
@@ -403,7 +404,8 @@ def _log_and_register(reg: Registry, cfg: Config, art: Registrable, name: str, m
         if art.record:
             write_json_atomic(staged / KILN_DIR / RECORD_FILE, art.record)
 
-    metrics = {**numeric_metrics("validation", verdict.get("metrics") or {}), **numeric_metrics("bench", art.metrics), **row_metrics}
+    metrics = {**numeric_metrics("validation", verdict.get("metrics") or {}), **numeric_metrics("bench", art.metrics),
+               **row_metrics}
     run_id, model_id = log_model(client, eid, art.name, run_tags, tags, params, f"kiln-{art.kind}", stage, metrics)
     ensure_registered_model(client, name, {k: art.tags[k] for k in art.tags if k in
                                             ("model", "target", "precision", "gallery")} | {"kind": art.kind},

@@ -291,7 +291,8 @@ def download_system(reg: Registry, name: str, version: int, dst: Path) -> Verifi
     return VerifiedSystem(local, system, manifest, described, verdict, parts)
 
 
-def prove_system(reg: Registry, name: str, version: int, scratch: Path) -> tuple[VerifiedSystem, str, dict[str, Verified]]:
+def prove_system(reg: Registry, name: str, version: int,
+                 scratch: Path) -> tuple[VerifiedSystem, str, dict[str, Verified]]:
     """Gate one system version for production: verified, its system gate passed, every part's stored verdict too.
     Each part stays downloaded and verified under `scratch` (model → Verified): what a release ships and
     `identify --release` runs, never downloaded twice."""
@@ -307,7 +308,8 @@ def prove_system(reg: Registry, name: str, version: int, scratch: Path) -> tuple
             raise GateFailed(f"{name} v{version}: its part {p.registered_model} v{p.version} is no longer the build "
                              "the system pinned", "register the system again (kiln register-system)")
         parts[p.model] = download_verified(reg, p.registered_model, p.version, scratch / "parts" / p.engine)
-        gate_verified(reg, p.registered_model, p.version, parts[p.model], scratch / "attached" / p.engine)   # = check_version
+        # = check_version
+        gate_verified(reg, p.registered_model, p.version, parts[p.model], scratch / "attached" / p.engine)
     return v, (f"system gate pass (stored, digest-checked); {len(v.parts)} parts' validations pass (stored, "
                "digest-checked)"), parts
 
@@ -407,12 +409,14 @@ def _compat_gate(cfg: Config, reg, name: str, version: int, v: VerifiedSystem, c
     compat = gallery_check(cfg, reg, v, prod, root, scratch)
     if compat is not None:
         reg.client.set_model_version_tag(name, str(version), "gallery_compat", compat.verdict)
-        reg.client.set_model_version_tag(name, str(version), "gallery_compat.vs", f"{prod.embedder.engine} (v{current})")
+        reg.client.set_model_version_tag(name, str(version), "gallery_compat.vs",
+                                         f"{prod.embedder.engine} (v{current})")
         if compat.failures and not re_enroll:
-            raise GateFailed(f"{name} v{version}: re-enroll required — its embedder {compat.candidate} cannot read the "
-                             f"gallery {compat.production} enrolled: {'; '.join(compat.failures)}; refusing to {action}",
-                             f"re-enrol the gallery with {compat.candidate} (kiln re-enroll --system "
-                             f"{system_name(name)} {version}), then {action} with --re-enroll (recorded in the history)")
+            raise GateFailed(f"{name} v{version}: re-enroll required — its embedder {compat.candidate} cannot read "
+                             f"the gallery {compat.production} enrolled: {'; '.join(compat.failures)}; refusing to "
+                             f"{action}", f"re-enrol the gallery with {compat.candidate} (kiln re-enroll --system "
+                             f"{system_name(name)} {version}), then {action} with --re-enroll (recorded in the "
+                             "history)")
         if compat.failures and not (found := enrolments(reg, name, version, v.embedder.xxh3_128)):
             raise GateFailed(f"{name} v{version}: re-enroll required, and no re-enrolment of its gallery by "
                              f"{compat.candidate} is recorded; refusing to {action}",

@@ -16,8 +16,9 @@ archive `releases/<registered>-v<version>.tar.gz` holds two entries:
     <R>.sig                 the OpenSSF model-signing signature of <R>/: a Sigstore bundle holding a DSSE
                             envelope around an in-toto statement whose resources are every file's sha256
 
-Signing (offline, deterministic, EC P-256): pipeline/release/signing.py. The SLSA statement: pipeline/release/attestation.py. The
-tar is deterministic too: sorted entries, mtime 0, uid/gid 0, fixed modes, gzip without name or time.
+Signing (offline, deterministic, EC P-256): pipeline/release/signing.py. The SLSA statement:
+pipeline/release/attestation.py. The tar is deterministic too: sorted entries, mtime 0, uid/gid 0, fixed modes, gzip
+without name or time.
 
 `verify-release` needs no MLflow and no network, and reads with the deployment runtime's code (kiln_runtime/release.py
 `verified`: what `kiln-run verify` runs on a host). It reads the archive once, as a stream, as strictly as it was

@@ -46,7 +46,7 @@ class Chain:
 
 
 # ---------------------------------------------------------------------------------------------- what to start from
-def resolve(subject: str, root: Path, cfg=None) -> Path:
+def resolve(subject: str, root: Path, cfg: Config | None = None) -> Path:
     """The manifest to start from: an engine name, a manifest, any file inside an artifact, a file's sha256, or a
     registered version (`name@alias`, `name/version`: the workspace build whose identity the registry recorded)."""
     root = Path(root)

@@ -121,7 +121,8 @@ def _model_signing_internals():
             raise KilnError(f"{_installed_model_signing()} has no {missing}, which kiln's deterministic signing uses "
                             f"(checked against model-signing=={MODEL_SIGNING_CHECKED})",
                             f"install the locked model-signing=={MODEL_SIGNING_CHECKED} (bash scripts/setup.sh), or "
-                            "port pipeline/release/signing.py (_model_signing_internals, sign_tree) to the installed one") \
+                            "port pipeline/release/signing.py (_model_signing_internals, sign_tree) to the installed "
+                            "one") \
                 from None
         found.append(mod)
     return tuple(found)

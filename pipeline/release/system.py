@@ -19,9 +19,9 @@ verdict); `<R>` = `kiln-system-<name>-v<version>`:
                             file above but the three top documents
     <R>.sig                 the model-signing bundle over <R>/ (pipeline/release/signing.py)
 
-The archive is written, read and signed exactly as an engine release (pipeline/release/engine.py, pipeline/release/archive.py), so
-the same inputs give the same bytes. An engine's upstream chain (quantized → … → assets) is its own engine
-release's; a system release names each engine by its identity digest.
+The archive is written, read and signed exactly as an engine release (pipeline/release/engine.py,
+pipeline/release/archive.py), so the same inputs give the same bytes. An engine's upstream chain (quantized → … →
+assets) is its own engine release's; a system release names each engine by its identity digest.
 
 Reading a release is the runtime's (kiln_runtime/release.py), so `kiln verify-release` / `kiln identify --release`
 and a deployment host (`kiln-run`) check and run it with one implementation: the signature, then `check_system` —
@@ -82,7 +82,7 @@ class _Slice:
     systems: dict[str, Any]
 
 
-def deploy_config(values: dict[str, Any], source: Path):
+def deploy_config(values: dict[str, Any], source: Path) -> Config:
     """A Config of a params slice (dotted keys → raw values, as a system manifest records them), each entry validated
     by params.yaml's own types. Only the sections a deployed system reads exist on it."""
     from pydantic import TypeAdapter, ValidationError
@@ -148,7 +148,8 @@ def build(cfg: Config, system: str, ref: str = "production", root: Path = Path("
         with reg.lock(name):          # the alias read and the record under the lock every move takes
             settle(reg, name)
             version = _resolve(reg, name, system, ref)
-            v, _, proven = systems.prove_system(reg, name, version, scratch / "proof")    # what promote demands, and more
+            # what promote demands, and more
+            v, _, proven = systems.prove_system(reg, name, version, scratch / "proof")
             rel = f"{name}-v{version}"
             tree = scratch / rel
             sdir = tree / SYSTEM_DIR
@@ -254,7 +255,7 @@ def _check_re_enrolment(reg, name: str, version: int, gallery: dict[str, Any], g
     return {k: enrolled.get(k) for k in ("run", "sha256", "rows", "dim", "embedder", "host_class")}
 
 
-def _enrol(tree: Path, v, dcfg, root: Path) -> dict[str, Any]:
+def _enrol(tree: Path, v, dcfg: Config, root: Path) -> dict[str, Any]:
     """gallery/: the enrolment embeddings of the shipped embedder engine over the enrolment set system@ gated with,
     their labels and a manifest; returns release.json's summary of it."""
     import numpy as np

@@ -117,7 +117,8 @@ def production_systems(cfg: Config, root: Path = Path(".")) -> list[dict[str, An
                 mv = reg.version(name, version)
                 params = reg.client.get_run(mv.run_id).data.params if mv.run_id else {}
                 out.append({"system": name, "version": version, "verdict": params.get(PARAM + "verdict", "-"),
-                            "parts": [f"{p.model}={p.registered_model}:v{p.version}" for p in pins(reg, name, version)]})
+                            "parts": [f"{p.model}={p.registered_model}:v{p.version}"
+                                      for p in pins(reg, name, version)]})
     except KilnError:
         return []
     return out

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config import Config, ModelConfig
 
 Feed = dict[str, np.ndarray]
 TASKS = ("embed", "detect", "cascade", "align")
@@ -113,7 +113,8 @@ class Role:
         return {"input": rng.uniform(low, high, (batch, *input_shape)).astype(np.float32)}
 
     # ------------------------------------------------------------------ golden reference, export, import, decode
-    def golden(self, cfg: Config, model: str, outs: list[list[np.ndarray]], root: Path) -> tuple[dict[str, np.ndarray], dict]:
+    def golden(self, cfg: Config, model: str, outs: list[list[np.ndarray]],
+               root: Path) -> tuple[dict[str, np.ndarray], dict]:
         return {}, {}
 
     def check_outputs(self, ranks: list[int]) -> str | None:
@@ -125,13 +126,13 @@ class Role:
             return o.what
         return None
 
-    def check_graph(self, mcfg, outs: dict[str, list], source: str) -> None:
+    def check_graph(self, mcfg: ModelConfig, outs: dict[str, list], source: str) -> None:
         """Raise one KilnError if the graph's outputs (name → dims) do not fit what params declare of it."""
 
     def output_axes(self) -> dict[int, str]:
         return {0: "batch"}
 
-    def detect(self, rgb: np.ndarray, run: Callable, mcfg) -> list:
+    def detect(self, rgb: np.ndarray, run: Callable, mcfg: ModelConfig) -> list:
         raise NotImplementedError(f"role {self.name} is not a single-shot detector")
 
     # ------------------------------------------------------------------ gate

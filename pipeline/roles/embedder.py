@@ -19,7 +19,7 @@ import numpy as np
 from pipeline.roles.base import CHECK, Feed, Outputs, Role, by_name
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config import Config, ModelConfig
 
 BATCH = 8                  # chips per engine call in the gate
 FACE_METRICS = "pipeline.gates.facemetrics:face_metrics"
@@ -43,7 +43,7 @@ def pair_distances(emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
 class ChipFeeds(Sequence):
     """Chip batches converted to float only when used, so a large set never sits in memory as float32."""
 
-    def __init__(self, chips: np.ndarray, batch: int, mcfg=None) -> None:
+    def __init__(self, chips: np.ndarray, batch: int, mcfg: ModelConfig | None = None) -> None:
         self.chips, self.batch, self.mcfg = chips, batch, mcfg
 
     def __len__(self) -> int:
@@ -100,7 +100,8 @@ class Embedder(Role):
         yield from self.feeds(cfg, model, set_name, root, batch)
 
     # ------------------------------------------------------------------ golden reference
-    def golden(self, cfg: Config, model: str, outs: list[list[np.ndarray]], root: Path) -> tuple[dict[str, np.ndarray], dict]:
+    def golden(self, cfg: Config, model: str, outs: list[list[np.ndarray]],
+               root: Path) -> tuple[dict[str, np.ndarray], dict]:
         """Every chip's embedding, and the L2 ranges of same / different identities (cosine models: unit vectors)."""
         from pipeline.vectors import as_l2
 

@@ -19,7 +19,7 @@ from pipeline.errors import KilnError
 from pipeline.manifest import file_input
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config import Config, ModelConfig
 
 
 Feed = dict[str, np.ndarray]
@@ -48,7 +48,7 @@ def chip_sets(cfg: Config) -> dict[str, tuple[str, str | None]]:
     return out
 
 
-def chip_input(mcfg, chips: np.ndarray) -> np.ndarray:
+def chip_input(mcfg: ModelConfig, chips: np.ndarray) -> np.ndarray:
     """(N, S, S, 3) uint8 RGB chips → the model's (N, 3, S, S) float32 input: channel order, then (x - mean) / std
     (kiln_runtime.system.chip_input: the deployment host's)."""
     pre = mcfg.preprocess

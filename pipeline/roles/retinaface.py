@@ -19,7 +19,7 @@ import numpy as np
 from pipeline.roles.base import DetectorRole, Feed, Outputs
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config import Config, ModelConfig
 
 
 class RetinaFace(DetectorRole):
@@ -38,7 +38,7 @@ class RetinaFace(DetectorRole):
         for rgb in inputs.photo_variants(cfg, set_name, root):
             yield {"input": retinaface.preprocess(rgb)}
 
-    def detect(self, rgb: np.ndarray, run: Callable, mcfg) -> list:
+    def detect(self, rgb: np.ndarray, run: Callable, mcfg: ModelConfig) -> list:
         """Faces in one RGB photo; `run` maps the preprocessed input to (loc, conf, landmarks)."""
         from kiln_runtime import retinaface
 

@@ -20,7 +20,7 @@ import numpy as np
 from pipeline.roles.base import DetectorRole, Feed
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config import Config, ModelConfig
 
 
 def declaration_error(model: str, source: str, why: str):
@@ -45,7 +45,7 @@ class SingleShot(DetectorRole):
         for rgb in inputs.photo_variants(cfg, set_name, root):
             yield {"input": singleshot.preprocess(rgb, d)[0]}
 
-    def check_graph(self, mcfg, outs: dict[str, list], source: str) -> None:
+    def check_graph(self, mcfg: ModelConfig, outs: dict[str, list], source: str) -> None:
         """Every output the declaration names is one the graph has, of rank 2 or 3."""
         for head, names in mcfg.decode.outputs.items():
             for n in names:
@@ -76,7 +76,7 @@ class SingleShot(DetectorRole):
                 raise declaration_error(model, mcfg.onnx.path, str(e)) from None
         return {}, {"reference_faces_per_photo": faces}
 
-    def detect(self, rgb: np.ndarray, run: Callable, mcfg) -> list:
+    def detect(self, rgb: np.ndarray, run: Callable, mcfg: ModelConfig) -> list:
         """Faces in one RGB photo; `run` maps the preprocessed input to the outputs by name."""
         from kiln_runtime import singleshot
 

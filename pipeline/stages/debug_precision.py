@@ -2,9 +2,9 @@
 
 `kiln compare` (pipeline/compare.py) of the FP32 export against the recipe's QDQ model on the model's golden feed:
 per intermediate tensor cosine, max |Δ|, SNR and the error the layer adds itself, the first layer below
-MIN_SNR_DB and the worst layers. `layers.json` (a list of rows) beside its manifest, so a new calibration, recipe or toolchain that moves a
-layer shows up as a diff of `layers.json`, and `dvc plots show` draws SNR against depth. ONNX Runtime runs one
-thread here: the sums are then the same bytes on every run of one host.
+MIN_SNR_DB and the worst layers. `layers.json` (a list of rows) beside its manifest, so a new calibration, recipe
+or toolchain that moves a layer shows up as a diff of `layers.json`, and `dvc plots show` draws SNR against depth.
+ONNX Runtime runs one thread here: the sums are then the same bytes on every run of one host.
 """
 
 from __future__ import annotations

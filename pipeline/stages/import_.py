@@ -5,9 +5,9 @@ so calibrate@, quantize@, compile@, validate@ and bench@ treat it like an export
 (pipeline/onnx_import.py): sha256 pins (the file and every external-data file) and onnx.checker, structural fixes
 that change no value, weight-only nodes folded to FP32, the declared input size and layout and the role's output
 rank checked (an NHWC input gets a Transpose in front), a fixed batch of 1 made dynamic, strict shape inference, the
-op inventory recorded, every ONNX target the model has engines for asked which ops it
-cannot run (pipeline/opsupport.py: any → one error naming them per target); then the same parity gate as export@ (params `export.parity`)
-against golden@<model> — ONNX Runtime on the original file with graph optimizations off.
+op inventory recorded, every ONNX target the model has engines for asked which ops it cannot run
+(pipeline/opsupport.py: any → one error naming them per target); then the same parity gate as export@ (params
+`export.parity`) against golden@<model> — ONNX Runtime on the original file with graph optimizations off.
 """
 
 from __future__ import annotations

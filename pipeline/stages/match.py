@@ -96,7 +96,7 @@ def run(cfg: Config, size: int, root: Path = Path("."), progress: Callable[[str]
             write_manifest(out, build_manifest(
                 kind="validation", name=name, model=MODEL, target="faiss-cpu", directory=out,
                 files=[out / paths.VALIDATION_FILE],
-                inputs=[input_ref("index", manifest_file, root)] if manifest_file else [input_ref("gallery", gman, root)],
+                inputs=[input_ref("index", manifest_file, root) if manifest_file else input_ref("gallery", gman, root)],
                 build={"gate": "recall floors + identity gate", "timings": "this run's record, not reproducible"},
                 results={"verdict": report["verdict"], "failures": failures}, **STAGE.identity(cfg, str(size), root)))
         write_json_atomic(paths.curve(size, root), curve)

@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k}×{v}" for k, v in r.quantized_ops.items()) + f"); {len(r.float_nodes)} float"
               + (f" ({', '.join(r.float_nodes)})" if r.float_nodes else ""))
         print(f"  ranges for {r.ranges['with_range']}/{r.ranges['graph_tensors']} activation tensors; golden cosine "
-              f"vs the FP32 reference (golden@) on {g['samples']} samples: min {g['cosine_min']:.5f}, mean {g['cosine_mean']:.5f} "
-              "(informational; validate gates)")
+              f"vs the FP32 reference (golden@) on {g['samples']} samples: min {g['cosine_min']:.5f}, "
+              f"mean {g['cosine_mean']:.5f} (informational; validate gates)")
         return 0
 
     return stage.main(STAGE, body, argv, key_help="<model>-<recipe>, e.g. embedder-ort")

@@ -28,7 +28,7 @@ STAGE = stage.Stage(
     keys=audited_models,
     deps=lambda cfg, key: [paths.export(key).as_posix(), *int8_source(cfg, key)],
     params=lambda cfg, key: [f"targets.{TARGET}.static_audit"],
-    outs=lambda cfg, key: [stage.Out(report_path(key).as_posix())],     # cached: another host pulls it for fallback-table
+    outs=lambda cfg, key: [stage.Out(report_path(key).as_posix())],     # cached: other hosts pull it (fallback-table)
     help="check without a GPU that TensorRT's ONNX parser would accept a model's ONNX")
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from pipeline.config import Config
+    from pipeline.e2e import System
 
 OVERHEAD = 0.10
 _ELEM = {1: 4, 2: 1, 3: 1, 6: 4, 7: 8, 10: 2, 11: 8, 16: 2}       # onnx TensorProto data type → bytes
@@ -126,7 +127,7 @@ def shares(point_: dict) -> dict:
             "bottleneck": max(stages, key=stages.get) if stages else None}
 
 
-def capture_shapes(system, frame_list: list[np.ndarray]) -> dict[str, list[list[tuple[int, ...]]]]:
+def capture_shapes(system: System, frame_list: list[np.ndarray]) -> dict[str, list[list[tuple[int, ...]]]]:
     """Run every frame through `system` once, recording each graph call's input shapes (model → calls)."""
     from pipeline.config import MTCNN
     from pipeline.samples import NETS

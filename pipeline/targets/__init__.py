@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from pipeline.errors import KilnError
 
 if TYPE_CHECKING:
-    from pipeline.config import Config
+    from pipeline.config import Config, EngineSpec
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def tuned(cfg: Config, engine_name: str) -> bool:
     return entry(e.target).tunes and cfg.targets[e.target].enabled and options(cfg, e.target).tuning.trials > 0
 
 
-def expected_source(engine) -> str:
+def expected_source(engine: EngineSpec) -> str:
     """The artifact an engine compiles: its model's torch.export program (program targets), else the FP32 export or
     the recipe's INT8 QDQ model."""
     if source_kind(engine.target) == "program":

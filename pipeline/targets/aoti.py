@@ -248,9 +248,10 @@ class AotiCpu:
         """What the compile stage records beside the files."""
         src = self.sources(engine_dir)
         meta = json.loads(src["metadata"]) if "metadata" in src else {}
+        generated = sum(len(src.get(k, "")) for k in ("wrapper", "kernel"))
         return {"build": {"build_dir": f"{BUILD_ROOT}/kiln-aoti-build-<uid>/build"},
                 "results": {"package": {"cpu_isa": meta.get("AOTI_CPU_ISA"), "device": meta.get("AOTI_DEVICE_KEY"),
-                                        "generated_cpp_bytes": sum(len(src.get(k, "")) for k in ("wrapper", "kernel"))}}}
+                                        "generated_cpp_bytes": generated}}}
 
     def accept_rebuild(self, mine: Path, other: Path, differing: list[str]) -> str | None:
         return None   # a package built in one fixed directory: any byte difference is a real one
@@ -332,8 +333,9 @@ class AotiRunner:
     The package is opened with the C++ loader `torch._C._aoti.AOTIModelPackageLoader` — what
     `torch._inductor.aoti_load_package` wraps — because importing `torch._inductor` costs ≈ 1 s and that wrapper's
     pt2-archive path ≈ 1.1 s more, while the loader alone opens a package in ≈ 25 ms (cold start ≈ 3.2 s → ≈ 1.1 s,
-    measured by bench@ with pipeline/coldstart.py). Every kiln program takes tensors and returns a tuple of tensors, so the flat
-    lists the loader speaks are its whole call spec; outputs are bit-identical (tests/targets/test_aoti.py)."""
+    measured by bench@ with pipeline/coldstart.py). Every kiln program takes tensors and returns a tuple of tensors,
+    so the flat lists the loader speaks are its whole call spec; outputs are bit-identical
+    (tests/targets/test_aoti.py)."""
 
     def __init__(self, engine_dir: Path) -> None:
         import torch

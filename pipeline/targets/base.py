@@ -19,11 +19,11 @@
     tune(src, options, out, workdir) → (files, summary)   only a target the registry marks `tunes` (tvm): the
                                         schedule database tune@<engine> stores; compile gets it as `tuning`
 
-What a target compiles (its `source_kind`) and which precisions it builds are in the registry (pipeline/targets/__init__.py), so params can be
-checked without importing a toolchain. Optional toolchains are imported lazily inside a target, so a missing one
-never breaks `import pipeline`. Loading an engine runs native code (ONNX Runtime kernels on a graph we wrote;
-an AOTInductor package is a shared library): `pipeline/engines.py` verifies the files against their manifest,
-in a private copy, before any target's `load` sees them.
+What a target compiles (its `source_kind`) and which precisions it builds are in the registry
+(pipeline/targets/__init__.py), so params can be checked without importing a toolchain. Optional toolchains are
+imported lazily inside a target, so a missing one never breaks `import pipeline`. Loading an engine runs native code
+(ONNX Runtime kernels on a graph we wrote; an AOTInductor package is a shared library): `pipeline/engines.py`
+verifies the files against their manifest, in a private copy, before any target's `load` sees them.
 """
 
 from __future__ import annotations

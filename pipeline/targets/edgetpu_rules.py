@@ -11,10 +11,11 @@ not be read in full from here, so it was reconstructed from):
 * Axis's copy of the newer limitation texts (ARTPEC-7 uses the Edge TPU compiler) and its optimization tips.
 Rows whose minimum runtime was not confirmed say `14?`.
 
-Model-level rules applied: every activation int8/uint8 (a constant also int32: bias, permutation, axes); static shapes; at most the 3 innermost
-dimensions of a tensor above 1. The compiler partitions once: the first op it cannot map, and every op after it,
-run on the CPU. Limitations that need an op's builtin options (no fused activation on pools and concatenation,
-equal x/y dilation on convolutions) are not read by the runtime's op listing and are listed as `unchecked`.
+Model-level rules applied: every activation int8/uint8 (a constant also int32: bias, permutation, axes); static shapes;
+at most the 3 innermost dimensions of a tensor above 1. The compiler partitions once: the first op it cannot map, and
+every op after it, run on the CPU. Limitations that need an op's builtin options (no fused activation on pools and
+concatenation, equal x/y dilation on convolutions) are not read by the runtime's op listing and are listed as
+`unchecked`.
 """
 
 from __future__ import annotations

@@ -168,8 +168,8 @@ def _module():
     try:
         import tensorrt_rtx_bindings as trt  # noqa: PLC0415 — optional toolchain, imported only when used
     except ImportError as e:
-        raise KilnError(f"tensorrt-rtx: unavailable ({e})", "install the profile: bash scripts/setup.sh --profile rtx") \
-            from None
+        raise KilnError(f"tensorrt-rtx: unavailable ({e})",
+                        "install the profile: bash scripts/setup.sh --profile rtx") from None
     return trt
 
 

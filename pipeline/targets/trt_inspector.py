@@ -55,8 +55,8 @@ def parse_inspector(engine_info: dict | str, layers: list | None = None) -> dict
         raw_layers = [json.loads(x) if isinstance(x, str) and x.lstrip().startswith("{") else x for x in layers]
     if "I/O Tensors" in info:
         schema = "11.x"
-        io = [{"name": t.get("Name", ""), "mode": str(t.get("IOMode", "")).lower(), "dtype": norm_dtype(t.get("DataType")),
-               "shape": t.get("Dimensions")} for t in info["I/O Tensors"]]
+        io = [{"name": t.get("Name", ""), "mode": str(t.get("IOMode", "")).lower(),
+               "dtype": norm_dtype(t.get("DataType")), "shape": t.get("Dimensions")} for t in info["I/O Tensors"]]
     elif "Bindings" in info:
         schema = "10.x"
         io = [{"name": b, "mode": "", "dtype": "unknown", "shape": None} if isinstance(b, str) else
@@ -73,7 +73,8 @@ def parse_inspector(engine_info: dict | str, layers: list | None = None) -> dict
         ins = [_tensor(t) for t in layer.get("Inputs", [])]
         outs = [_tensor(t) for t in layer.get("Outputs", [])]
         onnx_names = re.findall(r"\[ONNX Layer: ([^\]]+)\]", str(layer.get("Metadata", "")))
-        out_layers.append({"name": layer.get("Name", ""), "type": layer.get("LayerType", layer.get("ParameterType", "")),
+        kind = layer.get("LayerType", layer.get("ParameterType", ""))
+        out_layers.append({"name": layer.get("Name", ""), "type": kind,
                            "parameter_type": layer.get("ParameterType", ""), "tactic": layer.get("TacticName", ""),
                            "inputs": [t["dtype"] for t in ins], "outputs": [t["dtype"] for t in outs],
                            "onnx": onnx_names})
@@ -103,7 +104,8 @@ def inspector_audit(summary: dict[str, Any], precision: str) -> OpSupport:
     native, fallback, other = Counter(), [], Counter()
 
     def is_compute(layer) -> bool:
-        return bool(_COMPUTE_LAYER.search(layer["type"] or "") or _COMPUTE_LAYER.search(layer.get("parameter_type", "")))
+        return bool(_COMPUTE_LAYER.search(layer["type"] or "")
+                    or _COMPUTE_LAYER.search(layer.get("parameter_type", "")))
 
     def runs(layer) -> str:
         return layer["inputs"][0] if layer["inputs"] else "unknown"

@@ -16,8 +16,9 @@ fingerprint and the tuning params; compile applies it (kernels without a record 
 records how many kernels it covered. **A tuned kernel is not trusted**: each best schedule is built and run beside
 the kernel's default schedule on the same random arguments, and one that differs (relative max |Δ| > 1e-3) is left
 out of the database and listed in the manifest — MetaSchedule found a miscompiling schedule for one of the
-embedder's 25 kernels here (a conv fused with a pad: max |Δ| ≈ 1), which would otherwise have shipped. `trials: 0` is the untuned build: TVM's default CPU schedules are plain loop nests (no conv schedule, and
-the wheel has no DNNL backend), ~60× slower than ONNX Runtime here — a measured result, reported, not hidden.
+embedder's 25 kernels here (a conv fused with a pad: max |Δ| ≈ 1), which would otherwise have shipped. `trials: 0`
+is the untuned build: TVM's default CPU schedules are plain loop nests (no conv schedule, and the wheel has no DNNL
+backend), ~60× slower than ONNX Runtime here — a measured result, reported, not hidden.
 
 Audit: the imported Relax graph's compute ops (conv2d, matmul, …), each lowered to a kernel TVM generates, are
 native; a call TVM hands to a packed or external function (`call_dps_packed`, a BYOC library) is code outside its

@@ -52,7 +52,8 @@ _PLACEHOLDERS: list[str] = []                    # what the shim stood in for wh
 class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     # what the artifact is lowered for; this host runs `cpu`
-    platforms: Annotated[tuple[Literal["cpu", "cuda", "rocm", "tpu"], ...], Field(min_length=1)] = ("cpu", "cuda", "tpu")
+    platforms: Annotated[tuple[Literal["cpu", "cuda", "rocm", "tpu"], ...],
+                         Field(min_length=1)] = ("cpu", "cuda", "tpu")
 
     @field_validator("platforms")
     @classmethod

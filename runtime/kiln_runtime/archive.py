@@ -1,7 +1,7 @@
 """The release archive reader: a strict one-pass tar.gz reader that extracts what Kiln's writer makes and refuses
 everything else. It lives in the runtime because the deployment host reads a release before it trusts anything in
-it, without Kiln's build stack; the deterministic writer stays with the build (pipeline/release/archive.py, which re-exports
-this reader so the build verifies with the same code).
+it, without Kiln's build stack; the deterministic writer stays with the build (pipeline/release/archive.py, which
+re-exports this reader so the build verifies with the same code).
 
 The reader and GNU tar must never disagree: Python's tarfile stops quietly at a header with a bad checksum while
 `tar -xzf` skips it and extracts what follows, and `gzip -d` goes on to a second gzip member or past trailing
@@ -113,9 +113,10 @@ def _read_exact(stream: _Inflate, n: int, sink: Callable[[bytes], Any] | None = 
 
 def _stream_members(stream: _Inflate, dest: Path, top_file_max: int) -> tuple[list[str], list[str]]:
     """Read the tar stream to its end, writing files and directories under `dest`; returns (files, dirs). Raises
-    ValueError at the first thing a release never holds (or a top-level file over `top_file_max` bytes). Every bound applies before the bytes it bounds are read,
-    and everything after the end-of-archive marker must be zero padding, so no reader finds a member this one
-    did not check (Python's tarfile stops quietly at a bad header; GNU tar skips it and extracts what follows)."""
+    ValueError at the first thing a release never holds (or a top-level file over `top_file_max` bytes). Every bound
+    applies before the bytes it bounds are read, and everything after the end-of-archive marker must be zero padding, so
+    no reader finds a member this one did not check (Python's tarfile stops quietly at a bad header; GNU tar skips it
+    and extracts what follows)."""
     files: list[str] = []
     dirs: list[str] = []
     seen: set[str] = set()

@@ -24,9 +24,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from kiln_runtime.errors import GateFailed, KilnError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kiln_runtime.system import System
 
 PROG = "kiln-run"
 
@@ -40,7 +45,7 @@ def _terminated(signum, frame) -> None:       # noqa: ARG001 — the signal hand
 
 
 # ---------------------------------------------------------------------------------------------- printing
-def print_identities(system, rgbs, out: Callable[..., None] = print) -> int:
+def print_identities(system: System, rgbs: list[tuple[str, np.ndarray]], out: Callable[..., None] = print) -> int:
     """Each photo's faces: box, score, identity (or `unknown`), nearest and distance; 1 if a photo has none. The
     build's `kiln identify` prints with this too."""
     from kiln_runtime.images import MAX_SIDE
@@ -156,7 +161,8 @@ def cmd_bench(args) -> int:
                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
         report = {"system": d.name, "version": d.version, "host_class": host, "frames": {
             "distinct": len(feed), "resolution": [args.width, args.height], "fps": args.fps,
-            "sha256": frames.digest(feed), "encoding": "JPEG q95 (decoded for the in-process sweep)"}, "budget": {"p99_ms": args.budget_ms}, "in_process": inproc}
+            "sha256": frames.digest(feed), "encoding": "JPEG q95 (decoded for the in-process sweep)"},
+            "budget": {"p99_ms": args.budget_ms}, "in_process": inproc}
         if args.http:
             report["http"], report["serve_start_s"] = _bench_http(args, archive, plan, bodies, label)
     _print_sweep("in process", inproc, args)

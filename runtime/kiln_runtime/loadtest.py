@@ -390,5 +390,6 @@ def sweep_http(p: Plan, url: str, bodies: list[bytes], progress=print, label: st
     return {"plan": {**asdict(p), "drain_s": p.drain_s, "warmup_s": WARMUP_S, "clients": len(clients),
                      "why": "one HTTP connection per stream from this process; the service batches what waits"},
             "points": points,
-            "stopped_at": None if len(points) == len(p.streams) and points[-1]["within_budget"] else points[-1]["streams"],
+            "stopped_at": (None if len(points) == len(p.streams) and points[-1]["within_budget"]
+                           else points[-1]["streams"]),
             "streams_at_budget": max(held, default=0)}

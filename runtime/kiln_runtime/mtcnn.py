@@ -1,8 +1,9 @@
 """The MTCNN cascade (Zhang et al. 2016) around its three nets, numpy only: what a deployment host runs.
 
-The nets themselves are engines here (the build's PyTorch modules live in pipeline/models/mtcnn.py). Everything else (pyramid, crops, box maths, NMS: "the glue") is numpy and talks to
-the nets only through a ``Runner``: ``np.ndarray (N,3,H,W) float32, normalised -> tuple[np.ndarray, ...]``,
-so ONNX Runtime sessions can replace the torch modules (see ``torch_runner``).
+The nets themselves are engines here (the build's PyTorch modules live in pipeline/models/mtcnn.py). Everything
+else (pyramid, crops, box maths, NMS: "the glue") is numpy and talks to the nets only through a ``Runner``:
+``np.ndarray (N,3,H,W) float32, normalised -> tuple[np.ndarray, ...]``, so ONNX Runtime sessions can replace the
+torch modules (see ``torch_runner``).
 
 Net outputs, in this order (same as facenet-pytorch):
     PNet  (N,3,H,W)   -> bbox_reg (N,4,H',W'), prob (N,2,H',W')      H' = ceil((H-2)/2) - 4

@@ -1,9 +1,10 @@
 """Verifying a release's signature with `cryptography` alone: the deployment host checks a release before it trusts
 anything in it, without model-signing, sigstore or pydantic. The build verifies with this same code
-(pipeline/release/signing.py re-exports it); only signing (`sign_tree`, `kiln keygen`) stays on model-signing, in the build.
+(pipeline/release/signing.py re-exports it); only signing (`sign_tree`, `kiln keygen`) stays on model-signing, in
+the build.
 
-What the build signs (pipeline/release/signing.py `sign_tree`, model-signing==1.1.1's EC-key signer made deterministic) is a
-sigstore bundle, JSON:
+What the build signs (pipeline/release/signing.py `sign_tree`, model-signing==1.1.1's EC-key signer made
+deterministic) is a sigstore bundle, JSON:
 
     {"mediaType": "application/vnd.dev.sigstore.bundle.v0.3+json",
      "verificationMaterial": {"publicKey": {"hint": sha256 hex of the signer's public key PEM}, "tlogEntries": []},

@@ -23,8 +23,9 @@ The declaration (params.yaml `models.<m>.decode` for `samples: singleshot`; a sy
                     landmarks mapped back), a system's choice; empty: the frame's own size
     score_threshold, nms_threshold, top_k   as every detector
 
-Outputs are read by name (a runner's `output_names`; OpenVINO need not keep the ONNX order). A declaration that does not fit the graph (a name it lacks, a row count
-the strides and priors do not predict, a row too narrow) is one `DecodeError` line, not a crash inside numpy.
+Outputs are read by name (a runner's `output_names`; OpenVINO need not keep the ONNX order). A declaration that
+does not fit the graph (a name it lacks, a row count the strides and priors do not predict, a row too narrow) is one
+`DecodeError` line, not a crash inside numpy.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ class Spec:
                 settings = settings_type(**{k: tuple(v) if isinstance(v, list) else v for k, v in det.items()})
             metric, threshold = thr.pop("metric"), float(thr.pop("verify_threshold"))
             if metric not in ("l2", "cosine") or thr:
-                raise fail(f"thresholds: metric {str(metric)[:20]!r}" + (f", unknown {sorted(thr)[0]!r}" if thr else ""))
+                extra = f", unknown {sorted(thr)[0]!r}" if thr else ""
+                raise fail(f"thresholds: metric {str(metric)[:20]!r}{extra}")
             aligner = bool(pre.pop("aligner"))
             chip_size, template = int(pre.pop("chip_size")), np.asarray(pre.pop("template"), np.float64)
             channels = pre.pop("channels", "rgb")
@@ -181,8 +182,10 @@ def chips(spec: Spec, warp: Callable | None, rgb: np.ndarray, faces: list, timin
     if warp is not None:
         image = np.ascontiguousarray(rgb.transpose(2, 0, 1)[None], np.float32)
         return np.ascontiguousarray(_timed(timings, "align", warp, image, theta), np.float32)
-    made = lambda: chip_input(np.clip(np.rint(align.warp(rgb, theta, spec.chip_size)), 0, 255).astype(np.uint8),  # noqa: E731
-                              spec.preprocess)
+    def made() -> np.ndarray:
+        chip = np.clip(np.rint(align.warp(rgb, theta, spec.chip_size)), 0, 255).astype(np.uint8)
+        return chip_input(chip, spec.preprocess)
+
     return _timed(timings, "align", made)
 
 

@@ -328,7 +328,8 @@ def test_too_strict_target_fails_the_stage(cfg, stage_root):
               targets={"recall_at_1_min": 1.0, "recall_at_10_min": 0.999})
     if not (paths.gallery(5000, stage_root) / "vectors.npy").is_file():
         gallery.run(c, 5000, stage_root)
-    with pytest.raises(GateFailed, match=r"match@5000: no index of the sweep reaches recall@1 >= 1.0 .*the best was") as e:
+    with pytest.raises(GateFailed,
+                       match=r"match@5000: no index of the sweep reaches recall@1 >= 1.0 .*the best was") as e:
         match.run(c, 5000, stage_root, progress=lambda _: None)
     assert "flat" in e.value.hint
     gate = json.loads((paths.matching(5000, stage_root) / "validation.json").read_text())

@@ -60,7 +60,8 @@ def test_entropy_threshold_ignores_outliers_of_a_gaussian(seed):
     hist, amax = _abs_hist(x, 2048)
     t = calibration.entropy_threshold(hist, amax)
     assert 3.5 < t < 0.2 * amax, (t, amax)            # keeps the bulk (max |N(0,1)| ≈ 4.5), drops the outliers
-    assert calibration.percentile_threshold(hist, amax, 99.99) > 0.5 * amax   # outliers are 0.02 %: percentile keeps them
+    # outliers are 0.02 %: percentile keeps them
+    assert calibration.percentile_threshold(hist, amax, 99.99) > 0.5 * amax
 
 
 def test_entropy_keeps_the_range_of_a_uniform_distribution():
@@ -74,7 +75,8 @@ def test_entropy_ignores_the_zeros_of_a_relu(cfg):
     rng = np.random.default_rng(4)
     x = np.maximum(rng.normal(0, 1, 200_000), 0)
     hist, amax = _abs_hist(x, 2048)
-    assert calibration.threshold("entropy", hist, int(np.sum(x == 0)), amax) > 3.0      # σ = 1: keeps all but the far tail
+    # σ = 1: keeps all but the far tail
+    assert calibration.threshold("entropy", hist, int(np.sum(x == 0)), amax) > 3.0
     # the failure the exclusion avoids: with the zeros in, KL clips ~5 % of the positive values
     assert calibration.entropy_threshold(hist, amax, max_clipped=None) < 2.5
 
@@ -215,8 +217,8 @@ def test_session_never_sees_more_than_one_batch(preprocessed, subset, cfg, monke
             yield x
 
     monkeypatch.setattr(calibration, "_batches", spy)
-    calibration.compute_ranges(preprocessed, subset[:10], dataclasses.replace(cfg.calibrate, candidates=("entropy",), batch=4),
-                             progress=_quiet)
+    calibration.compute_ranges(preprocessed, subset[:10],
+                               dataclasses.replace(cfg.calibrate, candidates=("entropy",), batch=4), progress=_quiet)
     assert seen == [4, 4, 2] * 2                         # two passes, each streamed in batches of ≤ 4
 
 

@@ -573,8 +573,9 @@ def test_edited_bench_tags_are_never_shown_as_fact(cfg, root, monkeypatch, capsy
     _bench_rows(root, cfg, "not-faster-here", b1_p50_ms=5.0, b1_speedup_vs_fp32=1.04)
     r = register(cfg, INT8, root, host_class=A)
     c = client()
-    for k, v in ((f"bench.{A}.verdict", "pass"), (f"bench.{A}.b1_p50_ms", "0.5"), ("kiln.host_classes", f"{A},{FORGED}"),
-                 (f"bench.{FORGED}.verdict", "pass"), (f"bench.{FORGED}.b1_p50_ms", "0.1")):
+    for k, v in ((f"bench.{A}.verdict", "pass"), (f"bench.{A}.b1_p50_ms", "0.5"),
+                 ("kiln.host_classes", f"{A},{FORGED}"), (f"bench.{FORGED}.verdict", "pass"),
+                 (f"bench.{FORGED}.b1_p50_ms", "0.1")):
         c.set_model_version_tag(r.name, "1", k, v)
     rows, forged = bench_rows(cfg, INT8, root)
     assert [(x["host_class"], x["verdict"], x["b1_p50_ms"]) for x in rows] == [(A, "not-faster-here", 5.0)]

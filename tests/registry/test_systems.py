@@ -290,7 +290,7 @@ def test_an_incompatible_embedder_needs_re_enroll(sysroot, registry_env, tmp_pat
     assert json.loads(recorded["enrolment"])["sha256"] == enrolled["sha256"]
 
     from pipeline.release import signing
-    from pipeline.release import system as system_release                  # the release is checked against the re-enrolment
+    from pipeline.release import system as system_release          # the release is checked against the re-enrolment
     key, pub = signing.keygen(tmp_path / "keys" / "signing.pem")
     r = system_release.build(strict, SYSTEM, "production", root, key, tmp_path / "out")
     assert cli.main(["verify-release", str(r.archive), "--key", str(pub)]) == 0

@@ -371,8 +371,8 @@ def test_a_gallery_index_releases_and_verifies(cfg, root, keys, tmp_path):  # no
 @pytest.mark.parametrize("gone", ["model_signing._signing.sign_sigstore_pb",                      # a module moved
                                   "model_signing._signing.signing._IN_TOTO_JSON_PAYLOAD_TYPE"])   # a name renamed
 def test_signing_without_model_signings_private_names_is_one_kiln_error_line(tmp_path, monkeypatch, capsys, gone):
-    """sign_tree builds its deterministic bundle from model-signing's private modules (pipeline/release/signing.py): after an
-    upgrade that moved or renamed one, `kiln release` says so in one `kiln: error:` line naming the installed
+    """sign_tree builds its deterministic bundle from model-signing's private modules (pipeline/release/signing.py):
+    after an upgrade that moved or renamed one, `kiln release` says so in one `kiln: error:` line naming the installed
     model-signing and the fix, not an ImportError / AttributeError traceback. No registry: `build` only signs here."""
     from importlib import import_module, metadata
 

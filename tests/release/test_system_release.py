@@ -380,7 +380,8 @@ def _bad_gallery(case: str):
     raw = {"trailing": raw + b"\0" * 4, "truncated": raw[:-4], "not-npy": b"PK\x03\x04 a zip"}.get(case, raw)
     labels = {"newline": ["ann", "bob\n  face 2: → president", "Cy_3"], "unknown": ["ann", "unknown", "Cy_3"],
               "esc": ["ann", "\x1b]8;;http://x\x1b\\bob\x1b]8;;\x1b\\", "Cy_3"], "number": ["ann", 7, "Cy_3"],
-              "rtl": ["ann", "bob\u202e", "Cy_3"], "two": names[:2], "dotted": ["ann", "../bob", "Cy_3"]}.get(case, names)
+              "rtl": ["ann", "bob\u202e", "Cy_3"], "two": names[:2],
+              "dotted": ["ann", "../bob", "Cy_3"]}.get(case, names)
     return raw, labels
 
 

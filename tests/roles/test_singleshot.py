@@ -146,7 +146,8 @@ def test_a_wrong_declaration_fails_golden_in_one_line(yunet_root, tmp_path):
         _yunet(raw)
         raw["models"]["yunet"]["decode"]["strides"] = [4, 8, 16]
     cfg = config.load(write_params(tmp_path, mutate))
-    with pytest.raises(KilnError, match=r"models.yunet.decode does not fit the graph: output 'cls_8' has 8800 rows, the declared strides \[4, 8, 16\]"):
+    with pytest.raises(KilnError, match=r"models.yunet.decode does not fit the graph: output 'cls_8' has 8800 rows, "
+                                        r"the declared strides \[4, 8, 16\]"):
         golden.run(cfg, "yunet", yunet_root["root"])
 
     def renamed(raw):
@@ -214,7 +215,8 @@ def test_a_system_json_carries_the_whole_declared_head_and_the_runtime_reads_it_
     spec = Spec.described(doc)
     assert spec.detector == "singleshot" and spec.detector_model == "yunet" and spec.graphs == ("yunet", "sface")
     assert spec.settings.input_size == (320, 240) and spec.settings.heads["objectness"] == ("obj_8", "obj_16", "obj_32")
-    assert spec.settings == Spec.described(json.loads(json.dumps(described(cfg, "sface-yunet-openvino", False)))).settings
+    as_json = json.loads(json.dumps(described(cfg, "sface-yunet-openvino", False)))
+    assert spec.settings == Spec.described(as_json).settings
     doc["detector"]["rotation"] = 90
     with pytest.raises(GateFailed, match="detector setting 'rotation' is not one this runtime's singleshot has"):
         Spec.described(doc)

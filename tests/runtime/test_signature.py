@@ -1,6 +1,6 @@
-"""The release's trust boundary in the runtime: kiln_runtime/signature.py verifies what pipeline/release/signing.py signs with
-`cryptography` alone, and kiln_runtime/archive.py reads the archive; the build re-exports both, so a deployment host
-and `kiln verify-release` check a release with one implementation.
+"""The release's trust boundary in the runtime: kiln_runtime/signature.py verifies what pipeline/release/signing.py
+signs with `cryptography` alone, and kiln_runtime/archive.py reads the archive; the build re-exports both, so a
+deployment host and `kiln verify-release` check a release with one implementation.
 
 Every case is also put to model-signing's own verifier (the one the build used before, configured as sign_tree
 hashes): the two accept and refuse the same trees, except where the runtime is deliberately stricter (said so).

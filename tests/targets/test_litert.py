@@ -119,7 +119,7 @@ def test_edge_tpu_rules_partition_once_at_the_first_unsupported_op():
     assert "only the 3 innermost" in a["why"]["ADD"] and "not in the Edge TPU op table" in a["why"]["GELU"]
     assert a["unchecked"] == ["CONV_2D: same x/y dilation (unchecked)"]
     dyn = edgetpu_rules.audit([_op(0, "ADD", [0, 8], [1])], tensors | {8: _t(8, [-1, 8, 8, 4])}, {0, 8})
-    weights = edgetpu_rules.audit([_op(0, "CONV_2D", [0, 7, 6], [1])], tensors, {0})      # a 4-D filter is no activation
+    weights = edgetpu_rules.audit([_op(0, "CONV_2D", [0, 7, 6], [1])], tensors, {0})  # a 4-D filter: no activation
     assert weights["cpu_ops"] == 0, weights
     assert "dynamic shape" in dyn["why"]["ADD"]
 

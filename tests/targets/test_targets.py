@@ -183,7 +183,8 @@ def test_ort_prelu_decomposition_is_the_same_values_and_compiles_without_prelu(t
     rewritten = onnx.load(str(source))
     assert decompose_prelu(rewritten) == 2
     onnx.checker.check_model(rewritten)
-    assert [o.name for o in rewritten.graph.output] == ["y"] and "PRelu" not in {n.op_type for n in rewritten.graph.node}
+    assert [o.name for o in rewritten.graph.output] == ["y"]
+    assert "PRelu" not in {n.op_type for n in rewritten.graph.node}
     assert np.array_equal(run(rewritten), run(model))
 
     target = OrtCpu()
@@ -222,15 +223,15 @@ def test_the_int8_bench_gate_on_injected_latencies(cfg):
 
 
 # ---------------------------------------------------------------------------------------------- the contract
-PROTOCOL = ("name", "reproducibility", "runtime", "parse_options", "probe", "compile", "audit", "load", "manifest_extras",
-            "check_package", "runnable", "accept_rebuild")
+PROTOCOL = ("name", "reproducibility", "runtime", "parse_options", "probe", "compile", "audit", "load",
+            "manifest_extras", "check_package", "runnable", "accept_rebuild")
 
 
 def _runner_class(target):
     import importlib
     import inspect
 
-    ret = inspect.signature(target.load).return_annotation          # a string under `from __future__ import annotations`
+    ret = inspect.signature(target.load).return_annotation      # a string under `from __future__ import annotations`
     if not isinstance(ret, str):
         return ret
     return getattr(importlib.import_module(type(target).__module__), ret.strip("'\""))
@@ -265,7 +266,7 @@ def test_every_registered_target_meets_the_whole_contract(name, built, cfg, tmp_
         assert why.startswith(f"no runtime for {name}")
         return
     if entry.source_kind != "onnx":
-        return      # aoti-cpu: tens of seconds per build from the torch.export program; tests/targets/test_aoti.py runs it
+        return      # aoti-cpu: tens of seconds a build from the torch.export program; tests/targets/test_aoti.py has it
     out, work = tmp_path / "engine", tmp_path / "work"
     out.mkdir(), work.mkdir()
     files = t.compile(paths.export("embedder", built) / paths.ONNX_FILE,

@@ -89,7 +89,9 @@ REAL_LINE = (
 
 
 def _line(name: str, kind: str, inputs: list[str], outputs: list[str], onnx: list[str]) -> str:
-    t = lambda ds: ", ".join(f"{{ Name: t{i}, Dimensions: [-1,4], Datatype: {d}, Format: x }}" for i, d in enumerate(ds))  # noqa: E731
+    def t(ds: list[str]) -> str:
+        return ", ".join(f"{{ Name: t{i}, Dimensions: [-1,4], Datatype: {d}, Format: x }}" for i, d in enumerate(ds))
+
     return (f"Name: {name}, LayerType: {kind}, Inputs: [{t(inputs)}], Constants: [], Outputs: [{t(outputs)}], "
             f"TacticName: k, StreamId: 0, Metadata: " + "".join(f"[ONNX Layer: {o}]" for o in onnx))
 
@@ -158,7 +160,8 @@ def test_a_rebuild_passes_as_a_rearrangement_of_the_plan_only(tmp_path):
 def test_runnable_here_says_why_not():
     ok, why = TensorRTRTX().runnable(None)
     if ctypes.util.find_library("cuda") is None:
-        assert not ok and why == "no runtime for tensorrt-rtx on this host (no CUDA driver: RTX engines run on RTX GPUs)"
+        assert not ok
+        assert why == "no runtime for tensorrt-rtx on this host (no CUDA driver: RTX engines run on RTX GPUs)"
 
 
 # ----------------------------------------------------------------------------------------------- profiles
@@ -241,7 +244,8 @@ def _graph(dims: list, two_inputs: bool) -> onnx.ModelProto:
         ins.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", 4, 6, 6]))
         nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), helper.make_node("Add", ["c", "z"], ["y"])]
     out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
-    return helper.make_model(helper.make_graph(nodes, "g", ins, [out], [w]), opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(helper.make_graph(nodes, "g", ins, [out], [w]),
+                             opset_imports=[helper.make_opsetid("", 17)])
 
 
 @pytest.mark.parametrize("dims, two, why", [([3, "h", "w"], False, r"dynamic non-batch dimensions \(3, -1, -1\)"),
