@@ -29,7 +29,6 @@ from pipeline import paths
 from pipeline.errors import KilnError
 from pipeline.manifest import canonical_json, write_bytes_atomic, write_json_atomic, xxh3_128_hex
 from pipeline.dvcfiles import address
-from pipeline.models.align import Aligner, align, chip_transform, jitter
 
 if TYPE_CHECKING:
     from pipeline.config import Augment, DataConfig, SetSpec
@@ -85,6 +84,8 @@ def augmentation(spec: Augment, size: int, rng: np.random.Generator) -> dict:
 
 
 def build_set(photos: list[Photo], landmarker: Landmarker, cfg: DataConfig, spec: SetSpec) -> ImageSet:
+    from pipeline.models.align import Aligner, align, chip_transform, jitter     # torch: only a set's build needs it
+
     size = cfg.chip_size
     template = np.asarray(cfg.template, np.float64)
     aligner = Aligner(size)

@@ -211,6 +211,26 @@ def test_each_stage_module_is_short():
         f"{m} ({n})" for m, n in sorted(long.items(), key=lambda x: -x[1]))
 
 
+# The stages whose own work is PyTorch (building image sets through the aligner graph, the reference outputs, the
+# export and the torch.export program). Every other stage module starts without torch: importing it costs ≈ 1 s a
+# process, and the default DAG runs about 60 such stage processes.
+TORCH_STAGES = {"dataset", "golden", "export", "program"}
+
+
+def test_a_stage_that_runs_no_pytorch_starts_without_it():
+    import subprocess
+    import sys
+
+    names = [Path(m).stem for m in stage_modules()]
+    assert TORCH_STAGES <= set(names), TORCH_STAGES - set(names)
+    probe = ("import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module('pipeline.stages.' + n)\n"
+             "print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", probe, *sorted(set(names) - TORCH_STAGES)], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", f"a stage module imports PyTorch at import time: {r.stdout.strip()}"
+
+
 MAX_COLUMNS = 120
 CODE_DIRS = ("pipeline", "runtime/kiln_runtime", "tests", "bench", "scripts")
 
