@@ -26,16 +26,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Test files in this order, each on one xdist worker (scripts/test.sh: `--dist loadfile --no-loadscope-reorder`; a
 # worker takes the next file when two tests of its current one are left). First the default DAG build (the longest
-# chain: it, then the tests on it — ≈ 27 min of a 2-core CI run, on one worker). Then, on the other worker, the files
-# that take minutes, longest first, so that both workers end on files of seconds instead of one worker idling while
-# the other runs a long file last; the build-hosts test, which waits for the DAG build, third: by then (≈ 17 min
-# in) the build is done. Minutes measured with pytest's --durations on a 2-core EPYC (x86-64-avx512-vnni).
+# chain: it, then the tests on it, on one worker). Then, on the other worker, the files that take minutes, longest
+# first, so that both workers end on files of seconds instead of one worker idling while the other runs a long file
+# last; the build-hosts test, which waits for the DAG build, fourth: by then (≈ 13-17 min in) the build is done or
+# nearly (third, it waited 87 s for it). Minutes measured with pytest's --durations on a 2-core EPYC
+# (x86-64-avx512-vnni).
 FIRST = "test_dvc_pipeline.py"
-LONG = ("test_reliability.py",            # ≈ 9 min
+LONG = ("test_reliability.py",            # ≈ 6-9 min
         "test_tvm.py",                    # 4-8 min (MetaSchedule's search)
+        "test_systems.py",                # ≈ 2 min
         "test_build_hosts.py",            # ≈ 7 min, after the DAG build
-        "test_systems.py", "test_executorch.py", "test_xla.py", "test_reliability_registry.py",
-        "test_system_release.py", "test_litert.py")                                            # 1-2.5 min each
+        "test_executorch.py", "test_xla.py", "test_reliability_registry.py", "test_system_release.py",
+        "test_litert.py")                                                                      # 1-2 min each
 
 # Two tiers. `bash scripts/test.sh` runs everything (CI); `bash scripts/test.sh --fast` runs `-m "not slow"`: unit and
 # contract tests and the small DAG of the session fixture `built` (sets, golden, export: seconds). A test is slow
