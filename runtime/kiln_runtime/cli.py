@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from kiln_runtime.system import System
 
 PROG = "kiln-run"
+MAX_MESSAGE = 4000                    # characters of one error line
 
 
 class Terminated(KeyboardInterrupt):
@@ -58,11 +59,12 @@ def print_identities(system: System, rgbs: list[tuple[str, np.ndarray]], out: Ca
     for path, rgb in rgbs:
         matches = system.identify(rgb)
         note = f" (downscaled to {rgb.shape[1]}×{rgb.shape[0]})" if max(rgb.shape[:2]) == MAX_SIDE else ""
+        name = shown(path, 1000)                                                   # a user's file name
         if not matches:
-            out(f"{path}: no face found{note}")
+            out(f"{name}: no face found{note}")
             missing += 1
             continue
-        out(f"{path}: {len(matches)} face{'s' if len(matches) > 1 else ''}{note}")
+        out(f"{name}: {len(matches)} face{'s' if len(matches) > 1 else ''}{note}")
         for i, m in enumerate(matches):
             box = ", ".join(f"{v:.0f}" for v in m.box)
             out(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {shown(m.identity, 64)} "     # a file's labels
@@ -99,26 +101,37 @@ def cmd_verify(args) -> int:
 def cmd_identify(args) -> int:
     from kiln_runtime import release
     from kiln_runtime.serve import answer
+    from kiln_runtime.text import shown
 
     rgbs = _photos(args.photos)                       # a bad photo is refused before anything is extracted
     with _source(args) as archive, release.verified(archive, Path(args.key)) as (tree, checked):
         d = release.load(tree, checked)
-        if args.json:
+        if args.json:                                  # JSON escapes every control character itself
             for path, rgb in rgbs:
                 print(json.dumps({"photo": path, **answer(d.system.identify(rgb), d.name, d.version, rgb.shape[:2])},
                                  sort_keys=True))
             return 0
-        print(f"release: {args.archive} verified offline ({d.name} v{d.version}: {len(checked)} checks, signature "
-              f"by {Path(args.key).name})")
+        print(f"release: {shown(args.archive, 1000)} verified offline ({d.name} v{d.version}: {len(checked)} checks, "
+              f"signature by {shown(Path(args.key).name, 200)})")
         return print_identities(d.system, rgbs)
 
 
 def cmd_serve(args) -> int:
-    from kiln_runtime.serve import serve
+    from kiln_runtime.connections import Bounds
+    from kiln_runtime.serve import Settings, check_host, serve
 
+    check_host(args.host)                                   # before a registry is asked for anything
+    cores = _cores()
+    if args.workers > cores:
+        raise KilnError(f"--workers {args.workers} on a host with {cores} core(s): each worker runs the whole system "
+                        "with its own engines, so more workers than cores only queue for the CPU and memory",
+                        f"pass --workers {cores} or fewer (0: one per core)")
+    settings = Settings(args.host, args.port, args.workers or cores, args.max_batch, args.queue, args.max_bytes,
+                        args.max_pixels, args.request_timeout, Bounds(args.header_timeout, args.body_timeout,
+                                                                      args.max_connections, args.keep_alive),
+                        args.drain_delay, args.graceful_timeout)
     with _source(args) as archive:
-        return serve(archive, Path(args.key), args.host, args.port, args.workers or _cores(), args.max_batch,
-                     args.queue, args.max_bytes)
+        return serve(archive, Path(args.key), settings)
 
 
 def cmd_pull(args) -> int:
@@ -127,7 +140,7 @@ def cmd_pull(args) -> int:
     ref = oci.parse_ref(args.ref)
     got = oci.pull(ref, Path(args.key), Path(args.out), args.plain_http, args.max_bytes,
                    progress=lambda m: print(m, flush=True))
-    for line in got.checked:
+    for line in (*got.checked, *got.notes):
         print(f"ok  {line}")
     print(f"ok  reference: {ref} names system {got.system}" + (f" v{got.version}" if ref.tag and
                                                               oci.VERSION_TAG.fullmatch(ref.tag) else ""))
@@ -194,7 +207,7 @@ def _bench_http(args, archive: Path, plan, bodies: list[bytes], label: str) -> t
     t0 = time.monotonic()
     child = subprocess.Popen([sys.executable, "-m", "kiln_runtime.cli", "serve", str(archive), "--key",
                               str(args.key), "--port", str(port), "--workers", str(plan.workers), "--max-batch",
-                              str(plan.max_batch)], stdout=subprocess.DEVNULL)
+                              str(plan.max_batch), "--drain-delay", "0"], stdout=subprocess.DEVNULL)
     try:
         while True:
             if child.poll() is not None:
@@ -292,6 +305,8 @@ def _positive(kind: type, low: float, high: float) -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kiln_runtime.images import WIRE_MAX_PIXELS
+
     parser = argparse.ArgumentParser(prog=PROG, description="Run a released Kiln face system: pull it from an OCI "
                                      "registry, verify it, identify faces, benchmark it on this host, serve it over "
                                      "HTTP.")
@@ -339,12 +354,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_positive(int, 1, 65535), required=True, help="TCP port")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--workers", type=_positive(int, 0, 256), default=0, help="worker processes, each with its own "
-                   "copy of the system (0: one per core)")
+                   "copy of the system (0: one per core; at most one per core)")
     p.add_argument("--max-batch", type=_positive(int, 1, 256), default=8, help="frames a worker takes at once (8)")
     p.add_argument("--queue", type=_positive(int, 1, 100000), default=64, help="frames the service holds at once, "
                    "queued or being run, before it answers 503 (64)")
     p.add_argument("--max-bytes", type=_positive(int, 1024, 1 << 30), default=20 << 20,
                    help="largest request body in bytes (20 MiB)")
+    p.add_argument("--max-pixels", type=_positive(int, 4096, 100_000_000), default=WIRE_MAX_PIXELS,
+                   help="largest image in pixels, refused from its header before decoding (4096×4096 = 16.8 MP; a 4K "
+                   "camera frame is 8.3 MP)")
+    p.add_argument("--request-timeout", type=_positive(float, 0.1, 3600), default=15.0, metavar="S",
+                   help="longest a request waits for its answer (504 after); a worker running a batch this long is "
+                   "replaced (15)")
+    p.add_argument("--header-timeout", type=_positive(float, 0.1, 600), default=10.0, metavar="S",
+                   help="a request's head must arrive within S seconds (408 after) (10)")
+    p.add_argument("--body-timeout", type=_positive(float, 0.1, 3600), default=30.0, metavar="S",
+                   help="its body within S seconds of the head (408 after) (30)")
+    p.add_argument("--keep-alive", type=_positive(float, 0.1, 600), default=5.0, metavar="S",
+                   help="an idle keep-alive connection is closed after S seconds (5)")
+    p.add_argument("--max-connections", type=_positive(int, 8, 1_000_000), default=1000,
+                   help="open connections; past it the oldest one holding no answer is closed (1000)")
+    p.add_argument("--drain-delay", type=_positive(float, 0, 600), default=5.0, metavar="S",
+                   help="after SIGTERM, /readyz answers 503 and everything else is still served for S seconds before "
+                   "the port closes (5; Kubernetes: keep it under terminationGracePeriodSeconds minus "
+                   "--graceful-timeout minus 10)")
+    p.add_argument("--graceful-timeout", type=_positive(float, 0, 3600), default=30.0, metavar="S",
+                   help="then requests in flight get at most S seconds to finish (30)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="fetch a release from an OCI registry, check every digest, verify it, place it")
@@ -373,16 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args)
-    except GateFailed as e:
-        print(f"{PROG}: error: verification failed: {e.message}", file=sys.stderr)
+    except KilnError as e:            # a message may quote a path or a value a user chose: shown, never interpreted
+        from kiln_runtime.text import shown
+
+        failed = isinstance(e, GateFailed)
+        print(f"{PROG}: error: {'verification failed: ' if failed else ''}{shown(e.message, MAX_MESSAGE)}",
+              file=sys.stderr)
         if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return 1
-    except KilnError as e:
-        print(f"{PROG}: error: {e.message}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        return 2
+            print(f"hint: {shown(e.hint, MAX_MESSAGE)}", file=sys.stderr)
+        return 1 if failed else 2
     except KeyboardInterrupt as e:
         print(f"{PROG}: {'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130

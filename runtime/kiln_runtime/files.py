@@ -1,4 +1,6 @@
-"""Opening a file a user named (a photo, a key, a config): a regular file or a KilnError.
+"""Opening a file a user named (a photo, a key, a config): a regular file or a KilnError. And the private temporary
+folders a command extracts a release into: named by the process that owns them, so what a killed one left behind is
+removed by the next `kiln-run` command.
 
 The file is opened without blocking and checked on the open descriptor — a FIFO or device named like a file would
 otherwise hang the read (or never end), and a check before opening would race a swap."""
@@ -6,11 +8,16 @@ otherwise hang the read (or never end), and a check before opening would race a 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import stat
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 from kiln_runtime.errors import KilnError
+from kiln_runtime.text import shown
 
 
 def open_regular(path: Path, hint: str, missing: tuple[str, str] | None = None) -> BinaryIO:
@@ -19,11 +26,57 @@ def open_regular(path: Path, hint: str, missing: tuple[str, str] | None = None) 
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        message, why = missing or (f"{path}: not found", hint)
+        message, why = missing or (f"{shown(path, 500)}: not found", hint)
         raise KilnError(message, why) from None
     except OSError as e:
-        raise KilnError(f"{path}: cannot open it ({e.strerror})", hint) from None
+        raise KilnError(f"{shown(path, 500)}: cannot open it ({e.strerror})", hint) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise KilnError(f"{path}: not a regular file (a folder, FIFO or device)", hint)
+        raise KilnError(f"{shown(path, 500)}: not a regular file (a folder, FIFO or device)", hint)
     return os.fdopen(fd, "rb")
+
+
+# ---------------------------------------------------------------------------------------------- scratch folders
+_OWNED = re.compile(r"kiln-[a-z-]+?-pid([0-9]+)-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:           # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_stale(folder: Path | None = None) -> list[Path]:
+    """Remove the scratch folders (`scratch`, and engines' private copies) in the temporary folder whose owning
+    process is gone — a `kiln-run serve` or a worker killed by SIGKILL cannot remove them itself. Only folders of this
+    user; the ones removed."""
+    base = Path(folder or tempfile.gettempdir())
+    gone: list[Path] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return gone
+    for e in entries:
+        m = _OWNED.match(e.name)
+        try:
+            if not m or not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if int(m[1]) != os.getpid() and not _alive(int(m[1])):
+            shutil.rmtree(e.path, ignore_errors=True)
+            gone.append(Path(e.path))
+    return gone
+
+
+@contextmanager
+def scratch(kind: str) -> Iterator[Path]:
+    """A private temporary folder `kiln-<kind>-pid<PID>-…` (0700), removed on exit; first, the stale ones of dead
+    processes are swept (`sweep_stale`)."""
+    sweep_stale()
+    with tempfile.TemporaryDirectory(prefix=f"kiln-{kind}-pid{os.getpid()}-") as tmp:
+        yield Path(tmp)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kiln_runtime.errors import GateFailed, KilnError
+from kiln_runtime.files import scratch
 from kiln_runtime.text import shown
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
@@ -201,6 +202,22 @@ class Registry:
             # its body and closes the connection mid-send (oras-py's upload_blob sends these headers)
             self.client.headers.update(self.client.auth.get_auth_header())
 
+    def _redact(self, text: str, limit: int = 200) -> str:
+        """Text a registry (or a proxy) controls, as Kiln prints it: the credentials in any form it could echo
+        (the password, `user:password` and its base64, an Authorization header's value) replaced by ***, then
+        escaped and bounded (`shown`)."""
+        import base64
+
+        user, password = os.environ.get(USER_ENV) or "", os.environ.get(PASSWORD_ENV) or ""
+        secrets = [password, f"{user}:{password}", base64.b64encode(f"{user}:{password}".encode()).decode()] \
+            if password else []
+        auth = getattr(getattr(self, "client", None), "headers", {}).get("Authorization", "")
+        secrets += [auth, auth.partition(" ")[2]] if auth else []
+        for secret in sorted({x for x in secrets if len(x) >= 4}, key=len, reverse=True):
+            text = text.replace(secret, "***")
+        text = re.sub(r"(?i)\b(basic|bearer)\s+[A-Za-z0-9._~+/=-]{8,}", r"\1 ***", text)
+        return shown(text, limit)
+
     @contextmanager
     def _errors(self) -> Iterator[None]:
         r = self.requests.exceptions
@@ -219,8 +236,20 @@ class Registry:
             why = "it stopped answering" if stalled else "the connection failed or was cut"
             raise KilnError(f"{host}: cannot reach the registry ({why})", "check that the registry is up and "
                             "reachable from this host, then run the command again; nothing was placed") from None
+        except r.TooManyRedirects:
+            raise KilnError(f"{host}: the registry redirected too many times (a redirect loop)",
+                            "check the registry's address and its proxy; nothing was placed") from None
+        except r.ContentDecodingError:
+            raise KilnError(f"{host}: a response's body does not decode as its Content-Encoding says",
+                            "the registry or a proxy between is corrupting responses; nothing was placed") from None
+        except r.RequestException as e:        # any other failure of the HTTP exchange itself
+            raise KilnError(f"{host}: the request failed ({type(e).__name__})", "check the registry and the network "
+                            "between; nothing was placed") from None
+        except RecursionError:
+            raise GateFailed(f"{self.ref}: a registry response is nested too deeply to read",
+                             "this is not a Kiln release; nothing was placed") from None
         except ValueError as e:                # oras-py's own failures (an auth or upload step the registry refused)
-            raise KilnError(f"{host}: the registry refused the request ({shown(str(e), 200)})",
+            raise KilnError(f"{host}: the registry refused the request ({self._redact(str(e))})",
                             "check the reference and your credentials (KILN_OCI_USERNAME / KILN_OCI_PASSWORD or "
                             "docker login)") from None
 
@@ -235,9 +264,9 @@ class Registry:
         if response.status_code == 404:
             raise KilnError(f"{self.ref}: not found in the registry ({what})", "check the reference: "
                             "repository, tag or digest")
-        if response.status_code >= 300:
-            raise KilnError(f"{self.ref.host}: {what} failed ({response.status_code} {shown(response.reason, 80)})",
-                            "see the registry's log")
+        if response.status_code >= 300:       # the standard phrase: the registry's own reason may echo anything
+            raise KilnError(f"{self.ref.host}: {what} failed ({response.status_code} "
+                            f"{_phrase(response.status_code)})", "see the registry's log")
 
     # ------------------------------------------------------------------------------------------ pull side
     def manifest(self) -> tuple[bytes, str]:
@@ -309,6 +338,15 @@ class Registry:
         return digest
 
 
+def _phrase(status: int) -> str:
+    from http import HTTPStatus
+
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "(a status HTTP does not define)"
+
+
 def _bounded_read(response, limit: int, what: str) -> bytes:
     data = bytearray()
     for chunk in response.iter_content(1 << 16):
@@ -327,16 +365,23 @@ class Pushed:
     uploaded: bool            # False: the registry already had the archive's blob
 
 
-def push(archive: Path, ref: Ref, doc: dict[str, Any], plain_http: bool = False) -> Pushed:
-    """Push a verified release archive (`doc`: its release.json) as REF; the manifest digest."""
-    bind(ref, str(doc["system"]), int(doc["version"]))
+def release_manifest(archive: Path, doc: dict[str, Any]) -> tuple[bytes, str, dict[str, Any]]:
+    """A release's own manifest (canonical: one release, one digest), its digest and its layer."""
     digest = _sha256(archive)
     layer = {"mediaType": LAYER_TYPE, "digest": digest, "size": archive.stat().st_size,
              "annotations": {TITLE: archive.name}}
     raw = manifest_bytes(layer, annotations(doc, archive.name, digest))
+    return raw, "sha256:" + hashlib.sha256(raw).hexdigest(), layer
+
+
+def push(archive: Path, ref: Ref, doc: dict[str, Any], plain_http: bool = False) -> Pushed:
+    """Push a verified release archive (`doc`: its release.json) as REF (a version tag; no tag: by its digest
+    only); the manifest digest."""
+    bind(ref, str(doc["system"]), int(doc["version"]))
+    raw, _, layer = release_manifest(archive, doc)
     reg = Registry(ref, plain_http)
-    with tempfile.TemporaryDirectory(prefix="kiln-push-") as tmp:
-        empty = Path(tmp) / "config.json"
+    with scratch("push") as tmp:
+        empty = tmp / "config.json"
         empty.write_bytes(EMPTY)
         reg.push_blob(empty, EMPTY_DESCRIPTOR)
     uploaded = reg.push_blob(archive, layer)
@@ -344,29 +389,42 @@ def push(archive: Path, ref: Ref, doc: dict[str, Any], plain_http: bool = False)
 
 
 # ---------------------------------------------------------------------------------------------- pull
-def _layer(raw: bytes, ref: Ref, max_bytes: int) -> dict[str, Any]:
-    """The one release layer of a Kiln manifest, its descriptor checked before a byte of it is fetched."""
+def _manifest_doc(raw: bytes, ref: Ref) -> dict[str, Any]:
+    """A Kiln manifest (a release's or a channel's) as a dict; GateFailed for anything else."""
+    from kiln_runtime import channels
+    from kiln_runtime.signature import parse_json
+
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise GateFailed(f"{ref}: the manifest is not JSON", "this is not a Kiln release") from None
+        doc = parse_json(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):     # JSON, a key twice, nesting past the limit
+        raise GateFailed(f"{ref}: the manifest is not JSON a Kiln release has", "this is not a Kiln release") \
+            from None
     if not isinstance(doc, dict) or doc.get("mediaType", MANIFEST_TYPE) != MANIFEST_TYPE or \
-            doc.get("artifactType") != ARTIFACT_TYPE:
+            doc.get("artifactType") not in (ARTIFACT_TYPE, channels.ARTIFACT_TYPE):
         got = doc.get("artifactType") if isinstance(doc, dict) else None
         raise GateFailed(f"{ref}: not a Kiln system release (artifactType {shown(str(got), 80)})",
                          "pull a reference `kiln push` wrote")
-    layers = doc.get("layers")
-    if not isinstance(layers, list) or len(layers) != 1 or not isinstance(layers[0], dict):
-        raise GateFailed(f"{ref}: a Kiln release manifest has exactly one layer", "pull a reference `kiln push` wrote")
-    layer = layers[0]
-    size = layer.get("size")
-    if layer.get("mediaType") != LAYER_TYPE or not isinstance(layer.get("digest"), str) or \
-            not DIGEST.fullmatch(layer["digest"]) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise GateFailed(f"{ref}: the release layer's descriptor is malformed", "pull a reference `kiln push` wrote")
+    return doc
+
+
+def _descriptor(layer: Any, media_type: str, ref: Ref, max_bytes: int, what: str) -> dict[str, Any]:
+    """A layer's descriptor checked before a byte of it is fetched."""
+    size = layer.get("size") if isinstance(layer, dict) else None
+    if not isinstance(layer, dict) or layer.get("mediaType") != media_type or not isinstance(layer.get("digest"), str) \
+            or not DIGEST.fullmatch(layer["digest"]) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise GateFailed(f"{ref}: the {what} layer's descriptor is malformed", "pull a reference `kiln push` wrote")
     if size > max_bytes:
-        raise GateFailed(f"{ref}: the release layer declares {size} bytes, more than the {max_bytes} allowed",
+        raise GateFailed(f"{ref}: the {what} layer declares {size} bytes, more than the {max_bytes} allowed",
                          "if a release really is that large, pass --max-bytes; nothing was fetched")
     return layer
+
+
+def _layer(raw: bytes, ref: Ref, max_bytes: int) -> dict[str, Any]:
+    """The one release layer of a release manifest, its descriptor checked before a byte of it is fetched."""
+    layers = _manifest_doc(raw, ref).get("layers")
+    if not isinstance(layers, list) or len(layers) != 1:
+        raise GateFailed(f"{ref}: a Kiln release manifest has exactly one layer", "pull a reference `kiln push` wrote")
+    return _descriptor(layers[0], LAYER_TYPE, ref, max_bytes, "release")
 
 
 @dataclass(frozen=True)
@@ -378,36 +436,84 @@ class Pulled:
     version: int
     checked: list[str]
     placed: bool              # False: the same bytes were already there
+    notes: tuple[str, ...] = ()   # what a channel pull adds: the statement, a signed rollback
+
+
+def _channel(reg: "Registry", doc: dict, ref: Ref, public_key: Path, max_bytes: int, tmp: Path, fresh: bool):
+    """A channel manifest's statement fetched (bounded, digest checked), verified with the publisher's key and bound
+    to the reference (its channel too when pulled by tag); with `fresh`, also unexpired and not below this host's
+    floor. (the statement, the release layer)"""
+    from kiln_runtime import channels
+
+    layers = doc.get("layers")
+    if not isinstance(layers, list) or len(layers) != 2:
+        raise GateFailed(f"{ref}: a Kiln channel manifest has exactly two layers (statement, release)",
+                         "pull a reference `kiln push` wrote")
+    sd = _descriptor(layers[0], channels.STATEMENT_MEDIA_TYPE, ref, channels.MAX_STATEMENT, "channel statement")
+    layer = _descriptor(layers[1], LAYER_TYPE, ref, max_bytes, "release")
+    reg.blob(sd, tmp)
+    st = channels.read(tmp.read_bytes(), public_key, f"{ref}: the channel statement")
+    channels.bind(st, ref.path, None if ref.digest else ref.tag)
+    if st.archive != layer["digest"]:
+        raise GateFailed(f"{ref}: the channel statement names archive {st.archive}, the manifest carries "
+                         f"{layer['digest']}", "the channel was re-pointed without a new statement; nothing was "
+                         "placed")
+    if fresh:
+        channels.fresh(st)
+        channels.check_floor(st)
+    return st, layer
 
 
 def pull(ref: Ref, public_key: Path, out_dir: Path, plain_http: bool = False, max_bytes: int = MAX_BLOB,
          progress: Callable[[str], None] | None = None) -> Pulled:
     """Fetch REF, check every digest, verify the release (signature, then content, as `kiln-run verify`) and that
-    it is what REF names; only then place the archive in `out_dir` (a rename: a failed pull leaves nothing)."""
-    from kiln_runtime import release, signature
+    it is what REF names — by a channel tag, through its signed statement (kiln_runtime/channels.py); only then place
+    the archive in `out_dir` (a rename: a failed pull leaves nothing) and move this host's floor for the channel."""
+    from kiln_runtime import channels, release, signature
 
     signature.load_public_key(public_key)                  # a bad key is refused before the network
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise KilnError(f"{out_dir}: exists and is not a folder", "pass --out a folder (created if missing)")
     staging = out_dir if out_dir.is_dir() else out_dir.parent       # the same filesystem: the rename is atomic
     if not staging.is_dir():
         raise KilnError(f"{out_dir}: its folder {staging} does not exist", "create it, or pass --out in an existing "
                         "folder")
     reg = Registry(ref, plain_http)
     raw, digest = reg.manifest()
-    layer = _layer(raw, ref, max_bytes)
-    if progress:
-        progress(f"pulling {ref}{'' if ref.digest else ' → ' + digest} (1 layer, {layer['size'] / 1e6:.1f} MB)")
+    doc = _manifest_doc(raw, ref)
+    channel = doc.get("artifactType") == channels.ARTIFACT_TYPE
+    if not channel and ref.tag and not VERSION_TAG.fullmatch(ref.tag) and not ref.digest:
+        raise GateFailed(f"{ref}: '{ref.tag}' is a channel tag, and it points at a release with no signed channel "
+                         "statement: anyone who can push could have re-pointed it", "pull by a version tag or the "
+                         "digest, or have the publisher push the channel with its signing key (kiln push ARCHIVE "
+                         "REF:CHANNEL)")
     fd, tmp_name = tempfile.mkstemp(prefix=".kiln-pull-", suffix=".tar.gz", dir=staging)
     os.close(fd)
-    tmp = Path(tmp_name)
+    tmp, st_tmp = Path(tmp_name), Path(tmp_name + ".statement")
+    notes: list[str] = []
     try:
+        st = None
         with release.writing(tmp):
+            if channel:
+                # pinned by digest: the caller chose this manifest, fresh or not (no floor read or moved)
+                st, layer = _channel(reg, doc, ref, public_key, max_bytes, st_tmp, fresh=not ref.digest)
+                notes.append(f"channel {st.channel} → {st.system} v{st.version}: statement signed, issued "
+                             f"{st.issued}, expires {st.expires}" + ("" if not ref.digest else
+                                                                      " (pinned by digest: freshness not checked)"))
+            else:
+                layer = _layer(raw, ref, max_bytes)
+            if progress:
+                progress(f"pulling {ref}{'' if ref.digest else ' → ' + digest} (1 layer, {layer['size'] / 1e6:.1f} MB)")
             reg.blob(layer, tmp)
         try:
             with release.verified(tmp, public_key) as (tree, checked):
-                doc = json.loads((tree / "release.json").read_bytes())
-                system, version = str(doc["system"]), int(doc["version"])
+                rel = json.loads((tree / "release.json").read_bytes())
+                system, version = str(rel["system"]), int(rel["version"])
                 bind(ref, system, version)
+                if st is not None and (st.system, st.version) != (system, version):
+                    raise GateFailed(f"{ref}: the channel statement says {shown(st.system, 64)} v{st.version}, the "
+                                     f"signed release is {shown(system, 64)} v{version}", "nothing was placed")
         except KilnError as e:                # name what was pulled, not the temporary file it was checked in
             e.message = e.message.replace(str(tmp), f"{ref} ({digest})")
             raise
@@ -419,9 +525,69 @@ def pull(ref: Ref, public_key: Path, out_dir: Path, plain_http: bool = False, ma
         if placed:
             out_dir.mkdir(exist_ok=True)
             os.replace(tmp, dest)
+        if st is not None and not ref.digest and (note := channels.accept(st, f"{ref} ({digest})")):
+            notes.append(note)
     finally:
         tmp.unlink(missing_ok=True)
-    return Pulled(ref, digest, dest, system, version, checked, placed)
+        st_tmp.unlink(missing_ok=True)
+    return Pulled(ref, digest, dest, system, version, checked, placed, tuple(notes))
+
+
+# ---------------------------------------------------------------------------------------------- push a channel
+@dataclass(frozen=True)
+class Channel:
+    pushed: Pushed            # the channel manifest
+    statement: Any            # channels.Statement
+    release_digest: str       # the version's own manifest
+
+
+def current_channel(ref: Ref, public_key: Path, plain_http: bool = False):
+    """The statement the channel tag carries now, verified with the publisher's key: (statement, None), (None, why
+    it could not be read) — or (None, None) when the tag does not exist."""
+    from kiln_runtime import channels
+
+    reg = Registry(ref, plain_http)
+    try:
+        raw, _ = reg.manifest()
+    except KilnError as e:
+        if "not found in the registry" in e.message:
+            return None, None
+        raise
+    try:
+        doc = _manifest_doc(raw, ref)
+        if doc.get("artifactType") != channels.ARTIFACT_TYPE:
+            return None, "it points at a release with no channel statement"
+        with scratch("push") as tmp:                            # the publisher's side: no floor of its own
+            st, _ = _channel(reg, doc, ref, public_key, MAX_BLOB, tmp / "statement", fresh=False)
+        return st, None
+    except GateFailed as e:
+        return None, e.message
+
+
+def push_channel(archive: Path, ref: Ref, doc: dict[str, Any], statement_bundle: Callable[[Any], bytes], st,
+                 plain_http: bool = False) -> Channel:
+    """Push `archive` under the channel tag REF with the signed statement `statement_bundle(st)` (the build signs):
+    the release's own manifest by its digest, then the channel manifest (statement + release layers) under the tag —
+    one PUT, so the channel and its statement move together."""
+    from kiln_runtime import channels
+
+    released = push(archive, Ref(ref.host, ref.path, None, None), doc, plain_http)      # by digest, untagged
+    if st.release_manifest != released.digest or st.archive != released.layer["digest"]:
+        raise KilnError("the channel statement does not name the release being pushed", "this is a bug in kiln push")
+    bundle = statement_bundle(st)
+    sd = {"mediaType": channels.STATEMENT_MEDIA_TYPE, "digest": "sha256:" + hashlib.sha256(bundle).hexdigest(),
+          "size": len(bundle)}
+    notes = {**annotations(doc, archive.name, released.layer["digest"]), PREFIX + "channel": ref.tag or "",
+             PREFIX + "channel.issued": st.issued, PREFIX + "channel.expires": st.expires}
+    raw = json.dumps({"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "artifactType": channels.ARTIFACT_TYPE,
+                      "config": EMPTY_DESCRIPTOR, "layers": [sd, released.layer], "annotations": notes},
+                     sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+    reg = Registry(ref, plain_http)
+    with scratch("push") as tmp:
+        (tmp / "statement.json").write_bytes(bundle)
+        reg.push_blob(tmp / "statement.json", sd)
+    digest = reg.put_manifest(raw)
+    return Channel(Pushed(ref, digest, released.layer, released.uploaded), st, released.digest)
 
 
 @contextmanager
@@ -433,8 +599,10 @@ def local(source: str, public_key: Path, plain_http: bool = False,
         yield Path(source)
         return
     ref = parse_ref(source)
-    with tempfile.TemporaryDirectory(prefix="kiln-run-pull-") as tmp:
-        got = pull(ref, public_key, Path(tmp) / "release", plain_http, progress=progress)
+    with scratch("run-pull") as tmp:
+        got = pull(ref, public_key, tmp / "release", plain_http, progress=progress)
         if progress:
             progress(f"pulled {ref}{'' if ref.digest else ' (' + got.digest + ')'}: {got.system} v{got.version}")
+            for note in got.notes:
+                progress(note)
         yield got.archive

@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from kiln_runtime.archive import safe_extract
 from kiln_runtime.digests import (artifact_digest, canonical_json, check_files, identity_digest, manifest_path,
                                   params_digest, read_manifest, sha256_file)
 from kiln_runtime.errors import GateFailed, KilnError
+from kiln_runtime.files import scratch
 from kiln_runtime.names import is_identity, slug
 from kiln_runtime.system import Spec, System
 from kiln_runtime.text import shown
@@ -412,8 +412,7 @@ def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[
         raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
     signature.load_public_key(public_key)
     done: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="kiln-verify-release-") as tmp, writing(Path(tmp)):
-        tmp = Path(tmp)
+    with scratch("verify-release") as tmp, writing(tmp):
         safe_extract(archive, tmp, top_file_max=MAX_DOC)
         top = sorted(p.name for p in tmp.iterdir())
         sigs = sorted(tmp.glob(f"*{SIG_SUFFIX}"))

@@ -2,45 +2,77 @@
 
     POST /v1/identify   an image (JPEG, PNG, BMP or WebP bytes as the body) → its faces: box, score, landmarks,
                         identity ("unknown" past the threshold), nearest, distance; the system and version; per-stage
-                        milliseconds. A bad image is a 400, a body over the size bound a 413, a full queue a 503 with
-                        Retry-After — each a JSON {"error", "hint"}; never a 500 with a trace.
-    GET  /healthz       200 while the process serves
-    GET  /readyz        200 only once the archive verified and every engine of every worker warmed; 503 while
-                        draining
-    GET  /metrics       Prometheus text: request and per-stage latency histograms, frames, faces, batches, errors by
-                        reason, queue depth, in-flight requests, process CPU seconds, the release served
+                        milliseconds. Each refusal is a JSON {"error", "hint"}, never a trace: a bad image or another
+                        format 400, a body over the size bound 413, an image past the pixel cap 413 (from its header,
+                        before any pixel is decoded), a full queue 503 + Retry-After, a frame whose worker died 503 +
+                        Retry-After (only that worker's frames), a frame past the time bound 504.
+    GET  /healthz       200 while the process serves (also while draining, and at the connection limit)
+    GET  /readyz        200 once verified and warmed, while at least one worker is ready and not draining; its JSON
+                        says how many workers of how many are ready and how many were replaced
+    GET  /metrics       Prometheus text: requests, errors by reason, request and per-stage latency, frames, faces,
+                        batches, queue depth, workers ready and replaced, connections and connection events
+    Open Inference Protocol (KServe v2) health and metadata, for gateways and probes that speak it:
+    GET  /v2/health/live, /v2/health/ready, /v2, /v2/models/{system}[/versions/{version}][/ready] — the model's
+         metadata carries the release version, the archive's sha256, the system's content digest and the embedder's
+         engine digest. (Inference stays /v1/identify: an image is not a tensor a gateway should build.)
 
 The archive is verified once, before the port opens (signature, content: kiln_runtime/release.py); any failure and
-the service does not start. Each of `workers` worker processes owns its own copy of the system (its engines with
-cores / workers intra-op threads; processes, so the Python glue of one never waits on another's interpreter lock)
-and takes up to `max_batch` queued frames at once — ONE embedder call and ONE gallery search for all their faces, as
-sysbench@ runs it. The service is bounded: past `queue` frames in it (queued or being run) a request is answered 503
-at once instead of growing latency without end. SIGTERM drains: the port closes, /readyz turns 503, requests in
-flight finish, the process exits 0.
+the service does not start. Its worker processes (kiln_runtime/workers.py) each hold their own copy of the system; a
+dead or stuck worker is replaced while the others serve. Connections are bounded (kiln_runtime/connections.py): a
+request's head and body must arrive in time, and past the connection limit the oldest connection holding no answer
+is closed so health probes are still answered.
+
+Shutdown, as an orchestrator expects (Kubernetes removes a pod's endpoints while it sends SIGTERM, so requests keep
+arriving for a few seconds): on SIGTERM /readyz turns 503 at once and everything else is still answered for
+`drain_delay_s` (responses then carry `Connection: close`, moving keep-alive clients on); then the port closes,
+requests in flight finish (at most `graceful_timeout_s`), the workers stop (at most 10 s) and the process exits 0.
+A second SIGTERM skips what is left of the delay; Ctrl-C (SIGINT) drains at once. So terminationGracePeriodSeconds
+must exceed drain delay + graceful timeout + 10 s (docs/deploy.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import os
+import hashlib
+import ipaddress
+import json
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from kiln_runtime.connections import CUT, Bounds
 from kiln_runtime.errors import KilnError
-from kiln_runtime.images import decode_bytes
-from kiln_runtime.system import STAGES, Match, System
+from kiln_runtime.images import WIRE_MAX_PIXELS
+from kiln_runtime.system import STAGES, Match
+from kiln_runtime.workers import BadImage, Options, Pool, TooSlow, WorkerDied
 
 MAX_BYTES = 20 << 20            # one request body: a 4096-side JPEG is a few MB
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `kiln-run serve` takes (checked at the edge, kiln_runtime/cli.py)."""
+    host: str = "127.0.0.1"
+    port: int = 8080
+    workers: int = 1
+    max_batch: int = 8
+    queue: int = 64
+    max_bytes: int = MAX_BYTES
+    max_pixels: int = WIRE_MAX_PIXELS       # the CLI's cap on a file is 100 MP
+    request_timeout_s: float = 15.0
+    bounds: Bounds = Bounds()
+    drain_delay_s: float = 5.0
+    graceful_timeout_s: float = 30.0
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -74,17 +106,23 @@ class Histogram:
         return out + [f"{name}_sum{tail} {self.sum:.6f}", f"{name}_count{tail} {self.count}"]
 
 
+def _family(name: str, kind: str, doc: str, *lines: str) -> list[str]:
+    return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", *lines]
+
+
 class Metrics:
-    """What /metrics shows; every update under one lock (worker threads and the event loop both write)."""
+    """What /metrics shows; every update under one lock (feeder threads and the event loop both write)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests: dict[int, int] = {}
         self.errors: dict[str, int] = {}
+        self.connection_events: dict[str, int] = {}
         self.latency = Histogram()
         self.stages = {s: Histogram() for s in ("decode", *STAGES)}
         self.frames = self.faces = self.batches = 0
         self.inflight = 0
+        self.worker_cpu = 0.0
 
     def count(self, status: int, reason: str | None = None) -> None:
         with self.lock:
@@ -92,268 +130,120 @@ class Metrics:
             if reason:
                 self.errors[reason] = self.errors.get(reason, 0) + 1
 
-    def text(self, release: str, version: int, ready: bool, held: int, cpu_s: float) -> str:
+    def event(self, name: str) -> None:
         with self.lock:
-            out = ["# HELP kiln_release_info The system release served.", "# TYPE kiln_release_info gauge",
-                   f'kiln_release_info{{system="{release}",version="{version}"}} 1',
-                   "# HELP kiln_ready 1 once verified and warmed, 0 while starting or draining.",
-                   "# TYPE kiln_ready gauge", f"kiln_ready {int(ready)}",
-                   "# HELP kiln_requests_total Requests to /v1/identify by HTTP status.",
-                   "# TYPE kiln_requests_total counter",
-                   *(f'kiln_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items())),
-                   "# HELP kiln_errors_total Refused or failed identify requests by reason.",
-                   "# TYPE kiln_errors_total counter",
-                   *(f'kiln_errors_total{{reason="{r}"}} {n}' for r, n in sorted(self.errors.items())),
-                   "# HELP kiln_request_duration_seconds Identify requests answered 200: body read to answer.",
-                   "# TYPE kiln_request_duration_seconds histogram",
-                   *self.latency.lines("kiln_request_duration_seconds"),
-                   "# HELP kiln_stage_duration_seconds Time per frame in each stage of the system.",
-                   "# TYPE kiln_stage_duration_seconds histogram",
-                   *(ln for s, h in self.stages.items() for ln in h.lines("kiln_stage_duration_seconds",
-                                                                           f'stage="{s}"')),
-                   "# HELP kiln_frames_total Frames identified.", "# TYPE kiln_frames_total counter",
-                   f"kiln_frames_total {self.frames}",
-                   "# HELP kiln_faces_total Faces found.", "# TYPE kiln_faces_total counter",
-                   f"kiln_faces_total {self.faces}",
-                   "# HELP kiln_batches_total Batches the workers ran (frames / batches = mean batch).",
-                   "# TYPE kiln_batches_total counter", f"kiln_batches_total {self.batches}",
-                   "# HELP kiln_queue_depth Frames in the service: queued or being run (--queue bounds it).",
-                   "# TYPE kiln_queue_depth gauge", f"kiln_queue_depth {held}",
-                   "# HELP kiln_inflight_requests Identify requests being answered.",
-                   "# TYPE kiln_inflight_requests gauge", f"kiln_inflight_requests {self.inflight}",
-                   "# HELP process_cpu_seconds_total CPU time of the service: this process and its workers' batches.",
-                   "# TYPE process_cpu_seconds_total counter", f"process_cpu_seconds_total {cpu_s:.6f}"]
+            self.connection_events[name] = self.connection_events.get(name, 0) + 1
+
+    def batch(self, frames: int, share: dict[str, float], cpu: float, faces: int) -> None:
+        with self.lock:
+            self.worker_cpu += cpu
+            self.batches += 1
+            self.frames += frames
+            self.faces += faces
+            for _ in range(frames):
+                for st, ms in share.items():
+                    if st in self.stages:
+                        self.stages[st].observe(ms / 1e3)
+
+    def text(self, service: "Service", connections: int) -> str:
+        pool, info = service.pool, service.info
+        with self.lock:
+            out = [*_family("kiln_release_info", "gauge", "The system release served.",
+                            f'kiln_release_info{{system="{info.name}",version="{info.version}"}} 1'),
+                   *_family("kiln_ready", "gauge", "1 while /readyz answers 200 (a worker ready, not draining).",
+                            f"kiln_ready {int(service.is_ready())}"),
+                   *_family("kiln_draining", "gauge", "1 from SIGTERM on.", f"kiln_draining {int(service.draining)}"),
+                   *_family("kiln_workers", "gauge", "Worker processes configured.",
+                            f"kiln_workers {len(pool.slots)}"),
+                   *_family("kiln_workers_ready", "gauge", "Worker processes ready to take frames.",
+                            f"kiln_workers_ready {pool.ready}"),
+                   *_family("kiln_worker_restarts_total", "counter", "Workers replaced after dying or running a "
+                            "batch past the time bound.", f"kiln_worker_restarts_total {pool.restarts}"),
+                   *_family("kiln_requests_total", "counter", "Requests to /v1/identify by HTTP status.",
+                            *(f'kiln_requests_total{{status="{s}"}} {n}' for s, n in sorted(self.requests.items()))),
+                   *_family("kiln_errors_total", "counter", "Refused or failed identify requests by reason.",
+                            *(f'kiln_errors_total{{reason="{r}"}} {n}' for r, n in sorted(self.errors.items()))),
+                   *_family("kiln_request_duration_seconds", "histogram", "Identify requests answered 200: body "
+                            "read to answer.", *self.latency.lines("kiln_request_duration_seconds")),
+                   *_family("kiln_stage_duration_seconds", "histogram", "Time per frame in each stage of the system.",
+                            *(ln for s, h in self.stages.items()
+                              for ln in h.lines("kiln_stage_duration_seconds", f'stage="{s}"'))),
+                   *_family("kiln_frames_total", "counter", "Frames identified.", f"kiln_frames_total {self.frames}"),
+                   *_family("kiln_faces_total", "counter", "Faces found.", f"kiln_faces_total {self.faces}"),
+                   *_family("kiln_batches_total", "counter", "Batches the workers ran (frames / batches = mean "
+                            "batch).", f"kiln_batches_total {self.batches}"),
+                   *_family("kiln_queue_depth", "gauge", "Frames in the service: queued or being run (--queue "
+                            "bounds it).", f"kiln_queue_depth {pool.held()}"),
+                   *_family("kiln_inflight_requests", "gauge", "Identify requests being answered.",
+                            f"kiln_inflight_requests {self.inflight}"),
+                   *_family("kiln_connections", "gauge", "Open HTTP connections (--max-connections bounds them).",
+                            f"kiln_connections {connections}"),
+                   *_family("kiln_connection_events_total", "counter", "Connections closed by a bound: header_timeout, "
+                            "body_timeout, evicted (room for a new one at the limit), refused.",
+                            *(f'kiln_connection_events_total{{event="{e}"}} {n}'
+                              for e, n in sorted(self.connection_events.items()))),
+                   *_family("process_cpu_seconds_total", "counter", "CPU time of the service: this process and its "
+                            "workers' batches.",
+                            f"process_cpu_seconds_total {time.process_time() + self.worker_cpu:.6f}")]
         return "\n".join(out) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------- the workers
-READY_TIMEOUT_S = 120.0
+# ---------------------------------------------------------------------------------------------- the service
+@dataclass(frozen=True)
+class ReleaseInfo:
+    """What the service tells about the release it serves (/readyz, /metrics, the OIP metadata)."""
+    name: str                 # kiln-system-<system>
+    version: int
+    system: str
+    archive_sha256: str
+    system_sha256: str
+    embedder: dict[str, Any]  # the embedder part: model, engine, registered version, xxh3_128, sha256
+    parts: list[dict[str, Any]]
 
 
-class BadImage(KilnError):
-    """A request body that is not an image this service reads: its client's error (400)."""
-
-
-def _worker(tree: str, threads: int, max_batch: int, jobs, results) -> None:
-    """A worker process: load the verified tree's system (each engine verified again as it loads), warm it, say
-    ready, then run batches of up to `max_batch` queued frames until told to stop (None). The server stops it:
-    SIGINT and SIGTERM are ignored here."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def release_info(tree: Path, archive: Path) -> ReleaseInfo:
     from kiln_runtime import release
 
-    try:
-        system = release.load(Path(tree), threads=threads).system
-        warm(system)
-        results.put(("ready", os.getpid(), None))
-    except BaseException as e:  # noqa: BLE001 — the server reports it as one line
-        results.put(("error", os.getpid(), f"{type(e).__name__}: {str(e)[:300]}"))
-        return
-    parent = os.getppid()
-    while True:
-        try:
-            job = jobs.get(timeout=1.0)
-        except queue.Empty:
-            if os.getppid() != parent:           # the server was killed (SIGKILL): do not linger as an orphan
-                return
-            continue
-        if job is None:
-            return
-        batch = [job]
-        while len(batch) < max_batch:
-            try:
-                nxt = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is None:
-                jobs.put(None)                   # this worker's stop, taken after the batch
-                break
-            batch.append(nxt)
-        cpu0, timings, frames = time.process_time(), {}, []
-        t0 = time.perf_counter()
-        for jid, body in batch:                  # decoded here, beside the system: 100 kB over the pipe, not 1 MB
-            try:
-                frames.append((jid, decode_bytes(body, "request body")))
-            except KilnError as e:
-                results.put(("bad", os.getpid(), (jid, e.message, e.hint)))
-        timings["decode"] = (time.perf_counter() - t0) * 1e3
-        if not frames:
-            continue
-        ids = [jid for jid, _ in frames]
-        try:
-            found = system.identify_frames([rgb for _, rgb in frames], timings)
-        except KilnError as e:
-            results.put(("failed", os.getpid(), (ids, e.message, e.hint)))
-            continue
-        except Exception as e:  # noqa: BLE001 — one failed batch is its requests' 500s; the service goes on
-            results.put(("failed", os.getpid(), (ids, f"{type(e).__name__}: {str(e)[:200]}", "see the service's log")))
-            continue
-        results.put(("done", os.getpid(), (ids, found, [rgb.shape[:2] for _, rgb in frames], timings,
-                                           time.process_time() - cpu0)))
+    lay = release.layout(tree)
+    doc = json.loads((tree / "release.json").read_bytes())
+    h = hashlib.sha256()
+    with open(archive, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    part = {k: lay.parts[lay.spec.embedder].get(k) for k in ("model", "engine", "version", "xxh3_128", "sha256")}
+    return ReleaseInfo(lay.name, lay.version, lay.system_name, "sha256:" + h.hexdigest(), str(doc["system_sha256"]),
+                       part, [{k: p.get(k) for k in ("model", "engine", "version", "xxh3_128")}
+                              for p in doc["parts"]])
 
 
 class Service:
-    """`workers` worker processes, each with its own copy of the system (no interpreter lock shared between them),
-    fed by one queue; at most `limit` frames in the service at once (waiting or being run): past it, `submit` raises
-    queue.Full and the request is answered 503."""
+    def __init__(self, pool: Pool, info: ReleaseInfo, metrics: Metrics) -> None:
+        self.pool, self.info, self.metrics = pool, info, metrics
+        self.draining = False
 
-    def __init__(self, tree: Path, release: str, version: int, workers: int, threads: int, max_batch: int,
-                 limit: int) -> None:
-        import multiprocessing as mp
-
-        self.release, self.version, self.limit = release, version, limit
-        self.metrics = Metrics()
-        self.ready = self.draining = False
-        self.worker_cpu = 0.0
-        self.pending: dict[int, concurrent.futures.Future] = {}
-        self.lock = threading.Lock()
-        self.next_id = 0
-        ctx = mp.get_context("spawn")                # no fork after ONNX Runtime threads exist
-        self.jobs, self.results = ctx.Queue(), ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(str(tree), threads, max_batch, self.jobs, self.results),
-                                  daemon=True) for _ in range(workers)]
-        self.collector: threading.Thread | None = None
-        try:
-            for w in self.procs:
-                w.start()
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        self.collector = threading.Thread(target=self._collect, daemon=True, name="kiln-collector")
-        self.collector.start()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for _ in self.procs:
-            while True:
-                try:
-                    kind, pid, info = self.results.get(timeout=0.5)
-                    break
-                except queue.Empty:
-                    if dead := next((w for w in self.procs if not w.is_alive()), None):
-                        raise KilnError(f"a worker exited (code {dead.exitcode}) while loading the system",
-                                        "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO; a "
-                                        "worker killed by the OS may have run out of memory") from None
-                    if time.monotonic() > deadline:
-                        raise KilnError(f"a worker did not load the system within {READY_TIMEOUT_S:.0f} s",
-                                        "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO") \
-                            from None
-            if kind == "error":
-                raise KilnError(f"a worker could not load the system: {info}", "check the release loads: kiln-run "
-                                "identify ARCHIVE --key K.pub PHOTO")
-
-    def submit(self, body: bytes) -> concurrent.futures.Future:
-        """Queue one frame (the image's bytes: a worker decodes them); queue.Full when `limit` frames are already in
-        the service. The future: (matches, per-stage ms, (height, width)), or BadImage / KilnError."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        with self.lock:
-            if len(self.pending) >= self.limit:
-                raise queue.Full
-            jid, self.next_id = self.next_id, self.next_id + 1
-            self.pending[jid] = done
-        self.jobs.put((jid, body))
-        return done
-
-    def held(self) -> int:
-        with self.lock:
-            return len(self.pending)
-
-    def _collect(self) -> None:
-        """Hand each worker's answers to the requests waiting for them; a worker that died fails what is pending
-        and makes the service unready (a supervisor restarts it)."""
-        m = self.metrics
-        while True:
-            try:
-                msg = self.results.get(timeout=1.0)
-            except queue.Empty:
-                if not self.draining and any(not w.is_alive() for w in self.procs):
-                    self.ready = False
-                    with self.lock:
-                        lost, self.pending = list(self.pending.values()), {}
-                    for f in lost:
-                        f.set_exception(KilnError("a worker process died", "restart the service"))
-                continue
-            if msg is None:
-                return
-            kind, _, info = msg
-            if kind == "bad":
-                jid, message, hint = info
-                with self.lock:
-                    fut = self.pending.pop(jid, None)
-                if fut is not None:
-                    fut.set_exception(BadImage(message, hint))
-                continue
-            if kind == "failed":
-                ids, message, hint = info
-                with self.lock:
-                    futures = [self.pending.pop(i, None) for i in ids]
-                for f in futures:
-                    if f is not None:
-                        f.set_exception(KilnError(message, hint))
-                continue
-            ids, found, shapes, timings, cpu = info
-            share = {st: ms / len(ids) for st, ms in timings.items()}
-            with m.lock:
-                self.worker_cpu += cpu
-                m.batches += 1
-                m.frames += len(ids)
-                m.faces += sum(len(f) for f in found)
-                for _ in ids:
-                    for st, ms in share.items():
-                        if st in m.stages:
-                            m.stages[st].observe(ms / 1e3)
-            with self.lock:
-                futures = [self.pending.pop(i, None) for i in ids]
-            for fut, f, shape in zip(futures, found, shapes):
-                if fut is not None:
-                    fut.set_result((f, share, shape))
-
-    def stop(self) -> None:
-        """Stop the workers (each finishes its batch), then the collector; nothing left for the exit to wait on."""
-        for _ in self.procs:
-            self.jobs.put(None)
-        deadline = time.monotonic() + 10
-        for w in self.procs:
-            if w.pid is not None:
-                w.join(timeout=max(0.0, deadline - time.monotonic()))
-                if w.is_alive():
-                    w.terminate()
-                    w.join(timeout=5)
-        if self.collector is not None:
-            self.results.put(None)
-            self.collector.join(timeout=5)
-        for q in (self.jobs, self.results):
-            q.cancel_join_thread()
-            q.close()
-
-
-def warm(system: System) -> None:
-    """Every engine's first call made (zeros of each graph's input) and the whole path once on a grey frame."""
-    spec = system.spec
-    sizes = {"pnet": 48, "rnet": 24, "onet": 48}
-    for model, run in zip(spec.detector_graphs, system.nets):
-        side = sizes.get(model, 64)
-        run(np.zeros((1, 3, side, side), np.float32))
-    if system.warp is not None:
-        system.warp(np.zeros((1, 3, 64, 64), np.float32),
-                    np.array([[[1, 0, 0], [0, 1, 0]]], np.float32))
-    system.embed(np.zeros((1, 3, spec.chip_size, spec.chip_size), np.float32))
-    system.identify_frames([np.full((120, 160, 3), 127, np.uint8)], {})
+    def is_ready(self) -> bool:
+        return self.pool.ready > 0 and not self.draining
 
 
 # ---------------------------------------------------------------------------------------------- the app
-def app(service: Service, max_bytes: int = MAX_BYTES):
+def app(service: Service, settings: Settings, live: dict):
     from starlette.applications import Starlette
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
-    m = service.metrics
+    m, info, pool = service.metrics, service.info, service.pool
+    max_bytes = settings.max_bytes
+    too_large_hint = "send a smaller image (longest side ≤ 4096 is plenty for face detection)"
+
+    def reply(doc: dict, status: int = 200, **headers: str) -> JSONResponse:
+        if service.draining:
+            headers["Connection"] = "close"           # keep-alive clients move to another replica
+        return JSONResponse(doc, status_code=status, headers=headers or None)
 
     def refuse(status: int, reason: str, error: str, hint: str, **headers: str) -> JSONResponse:
         m.count(status, reason)
-        return JSONResponse({"error": error, "hint": hint}, status_code=status, headers=headers or None)
+        return reply({"error": error, "hint": hint}, status, **headers)
 
     async def identify(request: Request) -> Response:
         t0 = time.perf_counter()
@@ -363,94 +253,200 @@ def app(service: Service, max_bytes: int = MAX_BYTES):
             size = request.headers.get("content-length")
             if size is not None and (not size.isdigit() or int(size) > max_bytes):
                 return refuse(413, "too_large", f"request body of {size[:20]} bytes; the limit is {max_bytes}",
-                              "send a smaller image (longest side ≤ 4096 is plenty for face detection)")
+                              too_large_hint, Connection="close")
             body = bytearray()
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > max_bytes:
-                    return refuse(413, "too_large", f"request body over {max_bytes} bytes",
-                                  "send a smaller image (longest side ≤ 4096 is plenty for face detection)")
+            try:
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > max_bytes:
+                        return refuse(413, "too_large", f"request body over {max_bytes} bytes", too_large_hint,
+                                      Connection="close")
+            except ClientDisconnect:         # hung up mid-body — or cut by a bound (counted as that event)
+                if request.scope.get("state", {}).get(CUT) is None:
+                    print(f"kiln-run: a client hung up after {len(body)} byte(s) of its request body",
+                          file=sys.stderr, flush=True)
+                    m.count(499, "client_disconnected")
+                return Response(status_code=499)          # nobody reads it: the connection is gone
             if not body:
                 return refuse(400, "bad_image", "empty request body", "POST the image's bytes as the body")
-            if service.draining:
-                return refuse(503, "draining", "the service is shutting down", "retry on another replica",
-                              **{"Retry-After": "1"})
             try:
-                done = service.submit(bytes(body))
+                done = pool.submit(bytes(body))
             except queue.Full:
-                return refuse(503, "overloaded", f"{service.limit} frames are already in the service",
+                return refuse(503, "overloaded", f"{pool.limit} frames are already in the service",
                               "retry shortly, or add replicas", **{"Retry-After": "1"})
             try:
-                found, share, shape = await asyncio.wrap_future(done)
+                got = await asyncio.wait_for(asyncio.wrap_future(done), settings.request_timeout_s)
             except BadImage as e:
-                return refuse(400, "bad_image", e.message, e.hint)
+                return refuse(413, "too_large", e.message, e.hint) if e.too_large else \
+                    refuse(400, "bad_image", e.message, e.hint)
+            except WorkerDied as e:
+                return refuse(503, "worker_died", e.message, e.hint, **{"Retry-After": "1"})
+            except (TooSlow, asyncio.TimeoutError) as e:
+                msg = e.message if isinstance(e, TooSlow) else \
+                    f"no answer within the service's bound of {settings.request_timeout_s:g} s"
+                return refuse(504, "timeout", msg, "send a smaller image, retry, or raise --request-timeout")
             except KilnError as e:
                 return refuse(500, "engine", e.message, e.hint)
             except Exception as e:  # noqa: BLE001 — one line, no trace; the service keeps serving
                 return refuse(500, "internal", f"{type(e).__name__}: {str(e)[:200]}", "see the service's log")
-            doc = answer(found, service.release, service.version, shape)
-            doc["timings_ms"] = {s: round(v, 3) for s, v in share.items()}
+            doc = answer(got.found, info.name, info.version, got.shape)
+            doc["timings_ms"] = {s: round(v, 3) for s, v in got.share.items()}
             m.count(200)
             with m.lock:
                 m.latency.observe(time.perf_counter() - t0)
-            return JSONResponse(doc)
+            return reply(doc)
         finally:
             with m.lock:
                 m.inflight -= 1
 
+    def workers() -> dict[str, int]:
+        return {"ready": pool.ready, "of": len(pool.slots), "replaced": pool.restarts}
+
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return reply({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        ok = service.ready and not service.draining
-        return JSONResponse({"ready": ok, "system": service.release, "version": service.version},
-                            status_code=200 if ok else 503)
+        ok = service.is_ready()
+        return reply({"ready": ok, "system": info.name, "version": info.version, "draining": service.draining,
+                      "workers": workers()}, 200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(m.text(service.release, service.version, service.ready and not service.draining,
-                                        service.held(), time.process_time() + service.worker_cpu),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(m.text(service, len(live)), media_type="text/plain; version=0.0.4",
+                                 headers={"Connection": "close"} if service.draining else None)
 
-    return Starlette(routes=[Route("/v1/identify", identify, methods=["POST"]), Route("/healthz", healthz),
-                             Route("/readyz", readyz), Route("/metrics", metrics)])
+    # -- the Open Inference Protocol's health and metadata (KServe v2 REST)
+    async def live_(request: Request) -> Response:
+        return reply({"live": True})
+
+    async def ready_(request: Request) -> Response:
+        return reply({"ready": service.is_ready()}, 200 if service.is_ready() else 503)
+
+    async def server_meta(request: Request) -> Response:
+        from kiln_runtime import __version__
+
+        return reply({"name": "kiln-run", "version": __version__, "extensions": []})
+
+    def model(request: Request) -> Response | None:
+        """None when the path names this system (and, if given, its version); else the 404 to answer."""
+        name, version = request.path_params["name"], request.path_params.get("version")
+        if name not in (info.system, info.name) or (version is not None and version not in (str(info.version),
+                                                                                            f"v{info.version}")):
+            from kiln_runtime.text import shown
+
+            return reply({"error": f"no model {shown(name, 64)}" + (f" version {shown(version, 16)}" if version
+                                                                    else "") +
+                          f" here; this service runs {info.system} v{info.version}"}, 404)
+        return None
+
+    async def model_meta(request: Request) -> Response:
+        if (missing := model(request)) is not None:
+            return missing
+        return reply({"name": info.system, "versions": [str(info.version)], "platform": "kiln-system",
+                      "inputs": [{"name": "image", "datatype": "BYTES", "shape": [1]}],
+                      "outputs": [{"name": "faces", "datatype": "BYTES", "shape": [-1]}],
+                      "parameters": {"registered_model": info.name, "release_version": info.version,
+                                     "archive_digest": info.archive_sha256, "system_sha256": info.system_sha256,
+                                     "embedder": info.embedder, "parts": info.parts, "infer": "POST /v1/identify"}})
+
+    async def model_ready(request: Request) -> Response:
+        if (missing := model(request)) is not None:
+            return missing
+        return reply({"name": info.system, "ready": service.is_ready()}, 200 if service.is_ready() else 503)
+
+    routes = [Route("/v1/identify", identify, methods=["POST"]), Route("/healthz", healthz),
+              Route("/readyz", readyz), Route("/metrics", metrics),
+              Route("/v2", server_meta), Route("/v2/health/live", live_), Route("/v2/health/ready", ready_),
+              Route("/v2/models/{name}", model_meta), Route("/v2/models/{name}/ready", model_ready),
+              Route("/v2/models/{name}/versions/{version}", model_meta),
+              Route("/v2/models/{name}/versions/{version}/ready", model_ready)]
+    return Starlette(routes=routes)
 
 
-def serve(archive: Path, key: Path, host: str, port: int, workers: int, max_batch: int, queue_size: int,
-          max_bytes: int = MAX_BYTES, say=print) -> int:
-    """Verify, load `workers` copies, warm them, serve until SIGTERM (drain, exit 0) or Ctrl-C."""
+# ---------------------------------------------------------------------------------------------- serving
+def check_host(host: str) -> str:
+    """--host: an address of this host, never '' (which binds every interface without saying so)."""
+    text = host.strip("[]")
+    if not text:
+        raise KilnError("--host '' would listen on every interface without saying so",
+                        "pass --host 0.0.0.0 (every IPv4 interface) or --host :: (every interface) to mean it, or an "
+                        "address of this host (default 127.0.0.1)")
+    return text
+
+
+def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
+    """Verify, start the workers (each loads and warms its copy), serve until SIGTERM (drain, exit 0) or Ctrl-C."""
     import uvicorn
 
-    from kiln_runtime import release
-    from kiln_runtime.loadtest import cores
+    from kiln_runtime import connections, release
 
     t0 = time.perf_counter()
-    threads = max(1, cores() // workers)
-    with release.verified(archive, key) as (tree, checked), _listening(host, port) as sock:
-        first = release.layout(tree)                  # refused here, in one line, before any worker starts
-        service = Service(tree, first.name, first.version, workers, threads, max_batch, queue_size)
-        service.ready = True
-        say(f"kiln-run: {first.name} v{first.version} verified ({len(checked)} checks) and warmed: {workers} "
+    host = check_host(settings.host)
+    needed = connections.open_files_for(settings.bounds, settings.workers)
+    if (allowed := connections.raise_open_files(needed)) < needed:
+        raise KilnError(f"--max-connections {settings.bounds.max_connections} needs about {needed} open files; this "
+                        f"process may open {allowed} (ulimit -n)", "lower --max-connections, or raise the limit "
+                        f"(ulimit -n {needed})")
+    metrics = Metrics()
+    live: dict = {}
+    with release.verified(archive, key) as (tree, checked), _listening(host, settings.port) as sock:
+        info = release_info(tree, archive)            # refused here, in one line, before any worker starts
+        threads = max(1, _cores() // settings.workers)
+        pool = Pool(Options(str(tree), settings.workers, threads, settings.max_batch, settings.request_timeout_s,
+                            settings.max_pixels), settings.queue, metrics.batch)
+        service = Service(pool, info, metrics)
+        everywhere = _is_ip(host) and ipaddress.ip_address(host).is_unspecified
+        url = f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
+        say(f"kiln-run: {info.name} v{info.version} verified ({len(checked)} checks) and warmed: {settings.workers} "
             f"worker process(es) × {threads} thread(s) per engine, in {time.perf_counter() - t0:.2f} s; serving on "
-            f"http://{host}:{port}", flush=True)
+            f"{url}" + (" (every interface)" if everywhere else ""), flush=True)
 
         class _Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:       # noqa: ANN001 — uvicorn's signature
-                service.draining = True
-                if sig == signal.SIGTERM and not self.should_exit:
-                    self.should_exit = True                  # drain, then return: exit 0 (uvicorn would re-raise)
+                if sig == signal.SIGTERM:                    # never re-raised after the drain: exit 0
+                    if service.draining:
+                        self.should_exit = True              # a second SIGTERM: what is left of the delay skipped
+                        return
+                    service.draining = True
+                    delay = settings.drain_delay_s
+                    say(f"kiln-run: SIGTERM: /readyz answers 503; still serving for {delay:g} s (--drain-delay), "
+                        "then draining", flush=True)
+                    if delay <= 0:
+                        self.should_exit = True
+                    else:
+                        timer = threading.Timer(delay, lambda: setattr(self, "should_exit", True))
+                        timer.daemon = True
+                        timer.start()
                     return
+                service.draining = True
                 super().handle_exit(sig, frame)
 
-        config = uvicorn.Config(app(service, max_bytes), host=host, port=port, log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=30, lifespan="off")
+        b = settings.bounds
+        config = uvicorn.Config(app(service, settings, live), host=host, port=settings.port, log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=settings.graceful_timeout_s,
+                                timeout_keep_alive=b.keep_alive_s, lifespan="off",
+                                http=connections.protocol(b, metrics.event, live))
         server = _Server(config)
         try:
             server.run(sockets=[sock])
         finally:
             service.draining = True
-            service.stop()
-    say(f"kiln-run: drained ({service.metrics.frames} frames served); bye", flush=True)
+            pool.stop()
+    say(f"kiln-run: drained ({metrics.frames} frames served); bye", flush=True)
     return 0
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _cores() -> int:
+    from kiln_runtime.loadtest import cores
+
+    return cores()
 
 
 @contextmanager
@@ -478,4 +474,5 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["MAX_BYTES", "Service", "answer", "app", "free_port", "serve", "warm"]
+__all__ = ["MAX_BYTES", "Settings", "Service", "answer", "app", "check_host",
+           "free_port", "serve"]

@@ -328,6 +328,37 @@ def verify_tree(tree: Path, signature: Path, public_key: Path) -> None:
         raise GateFailed(f"signed content: Signature mismatch: {'; '.join(diffs)}", HINT)
 
 
+def verify_envelope(data: bytes, public_key: Path, what: str, hint: str = HINT,
+                    payload_type: str = PAYLOAD_TYPE) -> bytes:
+    """The payload of a signed document other than a release tree (a channel statement): a bundle in the release
+    signing format (`data`, at most MAX_SIGNATURE bytes), its DSSE signature checked with `public_key`. GateFailed
+    naming `what` for anything else; KilnError when the key file itself is unusable."""
+    key = load_public_key(Path(public_key))
+    try:
+        if len(data) > MAX_SIGNATURE:
+            raise _Malformed(f"more than {MAX_SIGNATURE >> 20} MiB")
+        bundle = _json(data.decode("utf-8"))
+        if not isinstance(bundle, dict):
+            raise _Malformed(f"the bundle is a JSON {type(bundle).__name__}, not an object")
+        key_hint, kind, payload, sig = _envelope(bundle)
+        if kind != payload_type:
+            raise _Malformed(f"dsseEnvelope.payloadType: {shown(kind, 100)} is not {payload_type}")
+    except (ValueError, RecursionError) as e:                         # _Malformed, JSON, UTF-8
+        why = "malformed bundle" if isinstance(e, _Malformed) else type(e).__name__
+        raise GateFailed(f"{what}: {one_line(str(e) or type(e).__name__, 300)} ({why})", hint) from None
+    try:
+        _check_signature(key, key_hint, payload, sig, Path(public_key).name)
+    except GateFailed as e:
+        raise GateFailed(f"{what}: {e.message}", hint) from None
+    return payload
+
+
+def parse_json(data: bytes | str) -> Any:
+    """JSON as Kiln reads signed documents: a key given twice is refused (ValueError), as is nesting past Python's
+    recursion limit (RecursionError)."""
+    return _json(data)
+
+
 def signed_name(sig: Path) -> str:
     """The subject name inside the signed statement (model-signing: the signed directory's name). Read after
     `verify_tree` holds; a bundle it cannot read is a GateFailed."""

@@ -197,10 +197,10 @@ def test_a_huge_declared_blob_is_refused_before_a_byte_of_it(oci_registry, pushe
     ref, first, _ = pushed
     for k, v in oci_registry.env().items():
         monkeypatch.setenv(k, v)
-    reg = oci.Registry(oci.parse_ref(f"{ref.host}/kiln/demo:huge"))
+    reg = oci.Registry(oci.parse_ref(f"{ref.host}/kiln/demo:997"))
     huge = dict(first.layer, size=10 ** 12)
     reg.put_manifest(oci.manifest_bytes(huge, {}))
-    code, _, err = _pull(oci_registry.env(), monkeypatch, capsys, f"{ref.host}/kiln/demo:huge", "--key",
+    code, _, err = _pull(oci_registry.env(), monkeypatch, capsys, f"{ref.host}/kiln/demo:997", "--key",
                          str(_key(tmp_path)), "--out", str(tmp_path / "out"))
     _one_error(code, err, "declares 1000000000000 bytes")
     other = json.loads(oci.manifest_bytes(first.layer, {}))
@@ -228,6 +228,39 @@ def test_a_registry_that_misbehaves_mid_pull_places_nothing(oci_registry, pushed
     assert not (tmp_path / "out").exists() and _stray(tmp_path) == []
 
 
+@pytest.mark.parametrize("mode, needle", [("redirect", "redirected too many times (a redirect loop)"),
+                                          ("encoding", "does not decode as its Content-Encoding says"),
+                                          ("nested", "the manifest is not JSON a Kiln release has"),
+                                          ("echo", "failed (500 Internal Server Error)")])
+def test_a_registry_that_loops_lies_or_echoes_credentials_is_one_line(oci_registry, pushed, tmp_path, monkeypatch,
+                                                                      capsys, mode, needle):
+    """Reliability round 5, item 5: a redirect loop, a body whose Content-Encoding lies, a manifest nested past
+    Python's recursion limit — each a traceback before — and a registry error whose reason phrase echoes the
+    Authorization header: one line, which never holds the password, `user:password` or its base64."""
+    import base64
+
+    ref, _, _ = pushed
+    with _hostile(oci_registry, mode) as host:
+        code, out, err = _pull(oci_registry.env(), monkeypatch, capsys, f"{host}/kiln/demo:3", "--key",
+                               str(_key(tmp_path)), "--out", str(tmp_path / "out"))
+    _one_error(code, err, needle)
+    secret = base64.b64encode(f"kiln:{oci_registry.password}".encode()).decode()
+    assert oci_registry.password not in out + err and secret not in out + err
+    assert not (tmp_path / "out").exists() and _stray(tmp_path) == []
+
+
+def test_out_naming_a_file_is_refused_before_anything_is_fetched(oci_registry, tmp_path, monkeypatch, capsys):
+    """`--out` naming an existing file was refused only after the whole download and verification: now at once (the
+    reference names a registry that does not exist, so reaching it would be another error)."""
+    from kiln_runtime.serve import free_port
+
+    (tmp_path / "a-file").write_bytes(b"keep me")
+    code, _, err = _pull(oci_registry.env(), monkeypatch, capsys, f"127.0.0.1:{free_port()}/kiln/demo:3", "--key",
+                         str(_key(tmp_path)), "--out", str(tmp_path / "a-file"))
+    _one_error(code, err, "a-file: exists and is not a folder")
+    assert (tmp_path / "a-file").read_bytes() == b"keep me"
+
+
 # ---------------------------------------------------------------------------------------------- helpers
 def _key(tmp_path: Path) -> Path:
     """A real public key (the stand-in archives never get as far as a signature that matches it)."""
@@ -250,7 +283,9 @@ def _stray(tmp_path: Path) -> list[str]:
 def _hostile(reg, mode: str):
     """A TLS proxy in front of the registry that forwards everything but blob downloads, which it serves `mode`:
     `endless` (random bytes with no length, forever), `cut` (the real headers, half the bytes, then the
-    connection closed), `stall` (the real headers, a few bytes, then silence)."""
+    connection closed), `stall` (the real headers, a few bytes, then silence), `encoding` (the real bytes declared
+    gzip-encoded), `echo` (a 500 whose reason phrase echoes the request's Authorization header, as some proxies do);
+    or manifests: `redirect` (a redirect to itself, forever), `nested` (JSON nested 100 000 deep)."""
     up_host, up_port = reg.host.rsplit(":", 1)
     upstream_ctx = ssl.create_default_context(cafile=str(reg.dir / "ca.crt"))
     stop = threading.Event()
@@ -262,6 +297,21 @@ def _hostile(reg, mode: str):
             pass
 
         def _forward(self, method: str) -> None:
+            if "/manifests/" in self.path and mode in ("redirect", "nested"):
+                body = b"[" * 100_000 + b"]" * 100_000 if mode == "nested" else b""
+                self.send_response(302 if mode == "redirect" else 200)
+                if mode == "redirect":
+                    self.send_header("Location", self.path)
+                self.send_header("Content-Type", oci.MANIFEST_TYPE)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            if "/blobs/" in self.path and method == "GET" and mode == "echo":
+                self.send_response(500, f"upstream said no to {self.headers.get('Authorization')}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             conn = http.client.HTTPSConnection(up_host, int(up_port), context=upstream_ctx, timeout=30)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
             conn.request(method, self.path, headers=headers)
@@ -275,8 +325,10 @@ def _hostile(reg, mode: str):
                     self.send_header(k, v)
             if blob and mode == "endless":
                 self.send_header("Connection", "close")
+            if blob and mode == "encoding":
+                self.send_header("Content-Encoding", "gzip")
             self.end_headers()
-            if not blob:
+            if not blob or mode == "encoding":
                 self.wfile.write(body)
                 return
             if mode == "endless":

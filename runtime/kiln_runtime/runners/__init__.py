@@ -3,7 +3,8 @@
 An engine is code: ONNX Runtime and OpenVINO run the kernels a graph names. So before a runner sees an engine, its
 files are copied into a fresh private directory (mode 0700) and the copies are checked against the engine's manifest
 (size + xxh3-128: a flipped byte anywhere refuses the load); nothing else in the engine directory is copied, so files
-the manifest does not list never reach a loader. The copy lives as long as the runner.
+the manifest does not list never reach a loader. The copy lives as long as the runner; one whose process was killed
+is removed by the next kiln-run command, or at once by the service that replaces the worker (files.sweep_stale).
 
 A runner maps numpy to numpy: `run(batch)` → the first output of a single-input graph, `run_all(feed)` → every
 output. The build's targets (pipeline/targets/ort_cpu.py, openvino.py) load their engines with these same classes, so
@@ -36,7 +37,7 @@ def private_copy(engine_dir: Path, name: str, hint: str | Callable[[], str]
     engine_dir = Path(engine_dir)
     mpath = manifest_path(engine_dir, name)
     manifest = read_manifest(mpath)
-    tmp = tempfile.TemporaryDirectory(prefix="kiln-engine-")
+    tmp = tempfile.TemporaryDirectory(prefix=f"kiln-engine-pid{os.getpid()}-")     # a killed owner's: swept
     private = Path(tmp.name)
     os.chmod(private, 0o700)
     try:

@@ -1,0 +1,483 @@
+"""The service's worker processes (`kiln-run serve`): each holds its own copy of the verified system and is fed by
+one thread of the server over a pipe of its own — nothing is shared between processes that a dead one could hold.
+
+    frames ─► one in-process queue ─► slot i: a feeder thread ─pipe─► worker process i (its own system)
+
+A frame waits in the server's own queue (a lock of this process only). Each slot's feeder thread takes up to
+`max_batch` waiting frames, sends them to its worker, waits for the answer — at most `batch_timeout_s` — and hands
+each frame its result; a busy worker's feeder takes nothing, so frames go to whichever worker is free. The worker
+decodes the bytes (the pixel cap and the format allow-list before any pixel is decoded) and runs ONE embedder call and
+ONE gallery search for all the batch's faces, as sysbench@ runs it.
+
+A worker that dies (SIGKILL, the OOM killer) closes its pipe: its feeder fails only the frames of the batch it held
+(`WorkerDied`), starts a replacement — the verified tree loaded again, each engine verified as it loads, warmed —
+while the other workers go on serving, and `ready` counts the workers that can take frames (/readyz reports it). A
+batch that runs past its bound has its worker killed and replaced the same way; its frames fail with `TooSlow`. The
+workers ignore SIGINT and SIGTERM (the server decides when they stop); `stop` asks each to finish, then SIGKILLs
+what is left after a bound, so shutdown always ends.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from kiln_runtime.errors import KilnError
+from kiln_runtime.images import MAX_PIXELS
+
+READY_TIMEOUT_S = 120.0          # load + warm of one worker
+STOP_TIMEOUT_S = 5.0             # a worker asked to stop that has not within this is killed
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class BadImage(KilnError):
+    """A request body that is not an image this service reads (400), or one past the pixel cap (413)."""
+
+    def __init__(self, message: str, hint: str = "", too_large: bool = False) -> None:
+        super().__init__(message, hint)
+        self.too_large = too_large
+
+
+class WorkerDied(KilnError):
+    """The worker running this frame died (killed, out of memory): the frame's request fails, the service goes on."""
+
+
+class TooSlow(KilnError):
+    """The frame's batch ran past the time bound: its worker was replaced."""
+
+
+@dataclass(frozen=True)
+class Options:
+    tree: str                    # the verified, extracted release
+    workers: int
+    threads: int                 # intra-op threads per engine, in each worker
+    max_batch: int
+    batch_timeout_s: float       # a batch in a worker past this: the worker is killed and replaced
+    max_pixels: int = MAX_PIXELS
+
+
+@dataclass
+class Done:
+    """One frame's answer: the faces, the batch's per-stage ms shared per frame, the image's (height, width)."""
+    found: list
+    share: dict[str, float]
+    shape: tuple[int, int]
+
+
+# ---------------------------------------------------------------------------------------------- the worker process
+def warm(system) -> None:
+    """Every engine's first call made (zeros of each graph's input) and the whole path once on a grey frame."""
+    spec = system.spec
+    sizes = {"pnet": 48, "rnet": 24, "onet": 48}
+    for model, run in zip(spec.detector_graphs, system.nets):
+        side = sizes.get(model, 64)
+        run(np.zeros((1, 3, side, side), np.float32))
+    if system.warp is not None:
+        system.warp(np.zeros((1, 3, 64, 64), np.float32), np.array([[[1, 0, 0], [0, 1, 0]]], np.float32))
+    system.embed(np.zeros((1, 3, spec.chip_size, spec.chip_size), np.float32))
+    system.identify_frames([np.full((120, 160, 3), 127, np.uint8)], {})
+
+
+def run_batch(system, batch: list[tuple[int, bytes]], max_pixels: int) -> tuple:
+    """("batch", [(id, message, hint, past the pixel cap) of bodies that are no image], failure (ids, message, hint)
+    or None, (ids, faces per frame, shapes, per-stage ms, CPU s) or None) — decoded here, beside the system: the
+    bytes cross the pipe, not the pixels."""
+    from kiln_runtime.images import TooLarge, decode_bytes
+
+    cpu0, timings, frames, bad = time.process_time(), {}, [], []
+    t0 = time.perf_counter()
+    for jid, body in batch:
+        try:
+            frames.append((jid, decode_bytes(body, "request body", max_pixels=max_pixels)))
+        except KilnError as e:
+            bad.append((jid, e.message, e.hint, isinstance(e, TooLarge)))
+    timings["decode"] = (time.perf_counter() - t0) * 1e3
+    if not frames:
+        return "batch", bad, None, None
+    ids = [jid for jid, _ in frames]
+    try:
+        found = system.identify_frames([rgb for _, rgb in frames], timings)
+    except KilnError as e:
+        return "batch", bad, (ids, e.message, e.hint), None
+    except Exception as e:  # noqa: BLE001 — one failed batch is its requests' 500s; the service goes on
+        return "batch", bad, (ids, f"{type(e).__name__}: {str(e)[:200]}", "see the service's log"), None
+    return "batch", bad, None, (ids, found, [rgb.shape[:2] for _, rgb in frames], timings,
+                                time.process_time() - cpu0)
+
+
+def _worker(tree: str, threads: int, max_pixels: int, conn) -> None:
+    """A worker process: load the verified tree's system (each engine verified again as it loads), warm it, say
+    ready, then answer each batch the server sends until it sends None or goes away (its end of the pipe closes, as
+    when the server is killed: nothing lingers as an orphan). SIGINT and SIGTERM are ignored: the server stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from kiln_runtime import release
+
+    try:
+        system = release.load(Path(tree), threads=threads).system
+        warm(system)
+        conn.send(("ready", os.getpid(), None))
+    except BaseException as e:  # noqa: BLE001 — the server reports it as one line
+        try:
+            conn.send(("error", os.getpid(), f"{type(e).__name__}: {str(e)[:300]}"))
+        except OSError:
+            pass
+        return
+    while True:
+        try:
+            batch = conn.recv()
+        except (EOFError, OSError):
+            return
+        if batch is None:
+            return
+        try:
+            conn.send(("took", len(batch)))          # from here on a death fails this batch; before, it is resent
+            conn.send(run_batch(system, batch, max_pixels))
+        except OSError:
+            return
+
+
+# ---------------------------------------------------------------------------------------------- the server side
+@dataclass
+class Job:
+    id: int
+    body: bytes
+    future: concurrent.futures.Future
+
+
+_STOP = object()
+_UNTAKEN = object()
+
+
+class Slot:
+    """One worker process, its pipe, and the feeder thread in the server that owns both."""
+
+    def __init__(self, pool: "Pool", index: int) -> None:
+        self.pool, self.index = pool, index
+        self.proc = None
+        self.conn = None
+        self.ready = False
+        self.thread: threading.Thread | None = None
+
+    # -- the process
+    def start(self) -> None:
+        ctx = self.pool.ctx
+        mine, theirs = ctx.Pipe(duplex=True)
+        o = self.pool.options
+        self.proc = ctx.Process(target=_worker, args=(o.tree, o.threads, o.max_pixels, theirs), daemon=True,
+                                name=f"kiln-worker-{self.index}")
+        self.proc.start()
+        theirs.close()                 # only the worker holds its end: its death is an EOF here
+        self.conn = mine
+
+    def wait_ready(self, deadline: float) -> None:
+        """Until the worker says ready; KilnError naming why when it says otherwise, dies or takes too long."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise KilnError(f"a worker did not load the system within {READY_TIMEOUT_S:.0f} s",
+                                "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO")
+            try:
+                if not self.conn.poll(min(left, 0.5)):
+                    continue
+                kind, _, info = self.conn.recv()
+            except (EOFError, OSError):
+                self.proc.join(timeout=1)
+                raise KilnError(f"a worker exited ({_exit(self.proc.exitcode)}) while loading the system",
+                                "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO; a worker "
+                                "killed by the OS may have run out of memory") from None
+            if kind == "ready":
+                return
+            raise KilnError(f"a worker could not load the system: {info}",
+                            "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO")
+
+    def kill(self) -> None:
+        """SIGKILL (a worker ignores SIGTERM) and reap; the pipe closed."""
+        if self.proc is not None and self.proc.pid is not None:
+            if self.proc.exitcode is None:
+                self.proc.kill()
+            self.proc.join(timeout=STOP_TIMEOUT_S)
+        if self.conn is not None:
+            self.conn.close()
+        self.conn, self.ready = None, False
+
+    def stop(self) -> None:
+        """Ask the worker to finish (None), wait a bound, then kill it."""
+        if self.conn is not None and self.proc is not None and self.proc.exitcode is None:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(timeout=STOP_TIMEOUT_S)
+        self.kill()
+
+    # -- the feeder thread
+    def feed(self) -> None:
+        """The slot's loop: (re)start the worker when it is not ready, take a batch, run it, deliver, again — until
+        the pool stops. Frames it holds when it stops fail; nothing it meets at shutdown is printed as a trace."""
+        held: list[Job] = []
+        try:
+            held = self._feed()
+        except Exception:  # noqa: BLE001 — a pipe closed under it by `Pool.stop` at its bound
+            if not self.pool.stopping.is_set():
+                raise
+        finally:
+            for j in held:
+                _settle(j.future, KilnError("the service stopped before this frame ran", "retry on another replica"))
+            self.stop()
+
+    def _feed(self) -> list[Job]:
+        pool, held, failures = self.pool, [], 0
+        while True:
+            if not self.ready:
+                if pool.stopping.is_set():
+                    return held
+                if not self._restart(failures):
+                    failures += 1
+                    continue
+                failures = 0
+            if not held:
+                job = pool.take(0.5)
+                if job is _STOP:
+                    return held
+                if job is None:                                   # idle: is the worker still there?
+                    if self.proc.exitcode is not None:
+                        self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
+                    continue
+                held = [j for j in [job, *pool.take_more(pool.options.max_batch - 1)]
+                        if not j.future.done()]                   # a request that gave up (timed out) is skipped
+                if not held:
+                    continue
+            try:
+                self.conn.send([(j.id, j.body) for j in held])
+            except OSError:                 # died before it took them: they never ran; a replacement runs them
+                self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
+                continue
+            batch, held = held, []
+            reply = self._answer(batch)
+            if reply is _UNTAKEN:
+                held = batch                                      # never reached a worker: the replacement runs it
+            elif reply is not None:
+                pool.deliver(batch, reply)
+
+    def _answer(self, batch: list[Job]):
+        """The worker's reply to `batch`; None when it died running it or ran past the bound (the batch's frames
+        failed, the worker killed: the loop starts a replacement); _UNTAKEN when it died before it took the batch
+        (killed while idle, just as the batch was sent: nothing of it ran)."""
+        bound = self.pool.options.batch_timeout_s
+        deadline = time.monotonic() + bound
+        took = False
+        try:
+            while True:
+                while not self.conn.poll(max(0.0, min(deadline - time.monotonic(), 0.5))):
+                    if time.monotonic() >= deadline:
+                        self._lost(f"ran a batch past {bound:g} s: killed", batch,
+                                   TooSlow(f"the frame's batch ran past the service's bound of {bound:g} s",
+                                           "send a smaller image, or raise --request-timeout"))
+                        return None
+                msg = self.conn.recv()
+                if msg[0] != "took":
+                    return msg
+                took = True
+        except (EOFError, OSError):
+            self.proc.join(timeout=1)
+            if not took:
+                self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
+                return _UNTAKEN
+            self._lost(f"died running {len(batch)} frame(s) ({_exit(self.proc.exitcode)})", batch)
+            return None
+
+    def _lost(self, what: str, batch: list[Job], error: KilnError | None = None) -> None:
+        pid = self.proc.pid if self.proc is not None else None
+        self.kill()
+        self.pool.lost(self, f"worker {self.index + 1} (pid {pid}) {what}", batch, error)
+
+    def _restart(self, failures: int) -> bool:
+        if failures:
+            time.sleep(RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S)) - 1])
+        t0 = time.monotonic()
+        try:
+            self.start()
+            self.wait_ready(t0 + READY_TIMEOUT_S)
+        except KilnError as e:
+            self.kill()
+            if not self.pool.stopping.is_set():
+                self.pool.say(f"kiln-run: worker {self.index + 1} could not be replaced: {e.message}; trying again")
+            return False
+        self.ready = True
+        self.pool.replaced(self, time.monotonic() - t0)
+        return True
+
+
+def _exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (": out of memory?" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
+
+
+class Pool:
+    """`options.workers` worker processes behind one in-process queue of at most `limit` frames (waiting or being
+    run): past it, `submit` raises queue.Full (the request is answered 503)."""
+
+    def __init__(self, options: Options, limit: int, on_batch: Callable[[int, dict, float, int], None],
+                 say: Callable[[str], None] | None = None) -> None:
+        import multiprocessing as mp
+
+        self.options, self.limit, self.on_batch = options, limit, on_batch
+        self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.ctx = mp.get_context("spawn")               # no fork after ONNX Runtime threads exist
+        self.jobs: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.pending = 0                                 # frames submitted and not yet answered
+        self.next_id = 0
+        self.restarts = 0
+        self.stopping = threading.Event()
+        self.slots = [Slot(self, i) for i in range(options.workers)]
+        try:
+            for s in self.slots:
+                s.start()
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            for s in self.slots:
+                s.wait_ready(deadline)
+                s.ready = True
+        except BaseException:
+            for s in self.slots:
+                s.kill()
+            raise
+        for s in self.slots:
+            s.thread = threading.Thread(target=s.feed, daemon=True, name=f"kiln-feeder-{s.index}")
+            s.thread.start()
+
+    @property
+    def ready(self) -> int:
+        return sum(s.ready for s in self.slots)
+
+    def held(self) -> int:
+        with self.lock:
+            return self.pending
+
+    def submit(self, body: bytes) -> concurrent.futures.Future:
+        """Queue one frame (the image's bytes: a worker decodes them). The future: Done, or BadImage / WorkerDied /
+        TooSlow / KilnError."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if self.pending >= self.limit:
+                raise queue.Full
+            jid, self.next_id = self.next_id, self.next_id + 1
+            self.pending += 1
+        fut.add_done_callback(self._answered)
+        self.jobs.put(Job(jid, body, fut))
+        return fut
+
+    def _answered(self, _fut) -> None:
+        with self.lock:
+            self.pending -= 1
+
+    def take(self, timeout: float):
+        try:
+            return self.jobs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def take_more(self, n: int) -> list[Job]:
+        out: list[Job] = []
+        while len(out) < n:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is _STOP:
+                self.jobs.put(_STOP)                       # another feeder's stop; this one finishes its batch
+                break
+            out.append(job)
+        return out
+
+    def deliver(self, batch: list[Job], reply: tuple) -> None:
+        _, bad, failed, done = reply
+        by_id = {j.id: j.future for j in batch}
+        for jid, message, hint, too_large in bad:
+            _settle(by_id.pop(jid, None), BadImage(message, hint, too_large))
+        if failed is not None:
+            ids, message, hint = failed
+            for jid in ids:
+                _settle(by_id.pop(jid, None), KilnError(message, hint))
+        if done is not None:
+            ids, found, shapes, timings, cpu = done
+            share = {st: ms / len(ids) for st, ms in timings.items()}
+            self.on_batch(len(ids), share, cpu, sum(len(f) for f in found))
+            for jid, faces, shape in zip(ids, found, shapes):
+                _settle(by_id.pop(jid, None), Done(faces, share, tuple(shape)))
+
+    def lost(self, slot: Slot, what: str, batch: list[Job], error: KilnError | None) -> None:
+        """A worker gone: the frames it held fail (and only those), its engines' private copies are removed; the
+        slot's loop starts a replacement."""
+        from kiln_runtime.files import sweep_stale
+
+        sweep_stale()
+        with self.lock:
+            self.restarts += 1
+        err = error or WorkerDied("the worker process running this frame died", "retry the request; the service "
+                                  "replaced the worker (a worker killed by the OS may have run out of memory)")
+        for j in batch:
+            _settle(j.future, err)
+        if not self.stopping.is_set():
+            held = f"the {len(batch)} request(s) it held failed" if batch else "no request was lost"
+            self.say(f"kiln-run: {what}; {held}; starting a replacement ({self.ready}/{len(self.slots)} worker(s) "
+                     "ready)")
+
+    def replaced(self, slot: Slot, seconds: float) -> None:
+        self.say(f"kiln-run: worker {slot.index + 1} replaced (pid {slot.proc.pid}), verified and warmed in "
+                 f"{seconds:.2f} s ({self.ready}/{len(self.slots)} worker(s) ready)")
+
+    def stop(self, timeout_s: float = 2 * STOP_TIMEOUT_S) -> None:
+        """Stop every worker within a bound: each feeder finishes its batch and asks its worker to stop; frames
+        still queued fail; whatever is left at the bound is killed."""
+        self.stopping.set()
+        for _ in self.slots:
+            self.jobs.put(_STOP)
+        deadline = time.monotonic() + timeout_s
+        for s in self.slots:
+            if s.thread is not None:
+                s.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for s in self.slots:
+            s.kill()                                       # what did not stop in time (a no-op for the rest)
+        while True:                                        # frames no worker will run
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Job):
+                _settle(job.future, KilnError("the service stopped before this frame ran", "retry on another "
+                                              "replica"))
+
+
+def _settle(fut: concurrent.futures.Future | None, value: Any) -> None:
+    """Give a frame's future its answer once (a request that gave up already has one)."""
+    if fut is None or fut.done():
+        return
+    try:
+        if isinstance(value, BaseException):
+            fut.set_exception(value)
+        else:
+            fut.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+__all__ = ["BadImage", "Done", "Options", "Pool", "TooSlow", "WorkerDied", "run_batch", "warm"]
