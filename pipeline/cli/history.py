@@ -25,13 +25,14 @@ def run(args) -> int:
         from pipeline.registry import systems
 
         args.name = systems.registered(args.name)
-    moves = registry.history(cfg, args.name, alias=args.alias)
+    moves = registry.history(cfg, args.name, alias=args.alias, gaps=True)     # moves made outside kiln marked
     if not moves:
         print(f"history: no alias moves recorded for {tables.shown(args.name)}")
     else:       # every cell escaped and bounded by the table printer: a reason is a user's, the rest a registry's
         print(tables.markdown(["at (UTC)", "alias", "action", "from", "to", "actor", "reason"],
                               [(m.at, m.alias, m.action, "-" if m.from_version is None else f"v{m.from_version}",
-                                f"v{m.to_version}", m.actor, m.reason) for m in moves], max_cell=MAX_REASON + 300))
+                                "-" if m.to_version is None else f"v{m.to_version}", m.actor, m.reason)
+                               for m in moves], max_cell=MAX_REASON + 300))
     if is_system(args):
         from pipeline.registry import systems
 

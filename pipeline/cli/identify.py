@@ -100,6 +100,7 @@ def _identify_release(args, rgbs) -> int:
     """`kiln identify --release ARCHIVE`: verify a system release offline, extract it privately, run it from its own
     files (engines, config slice, gallery): no checkout, no params.yaml, no DVC, no registry."""
     from pipeline.release import system as system_release
+    from pipeline.tables import shown
 
     given = [f for f, v in (("--target", args.target), ("--precision", args.precision), ("--gallery", args.gallery))
              if v is not None]
@@ -116,8 +117,8 @@ def _identify_release(args, rgbs) -> int:
         if args.system and d.system_name != args.system:
             raise KilnError(f"{args.release}: a release of system {d.system_name}, not {args.system}",
                             f"drop --system, or pass --system {d.system_name}")
-        print(f"release: {args.release} verified offline ({d.name} v{d.version}: {len(checked)} checks, signature "
-              f"by {Path(args.key).name})")
+        print(f"release: {shown(args.release, 1000)} verified offline ({d.name} v{d.version}: {len(checked)} "
+              f"checks, signature by {shown(Path(args.key).name, 200)})")
         return _print_identities(d.system, rgbs)
 
 

@@ -212,8 +212,33 @@ def production_stack(history: list[AliasMove]) -> list[int]:
     return stack
 
 
-def history(cfg: Config, name: str, root: Path = Path("."), alias: str | None = None) -> list[AliasMove]:
-    """Every recorded alias move of a registered model (or engine name), oldest first."""
+OUTSIDE = "outside kiln"       # the action of a move kiln did not record (`history(..., gaps=True)`)
+
+
+def with_gaps(name: str, found: list[AliasMove], current: dict[str, int]) -> list[AliasMove]:
+    """The recorded moves (oldest first) with each move kiln did not record marked as one of action OUTSIDE: where a
+    move starts from another version than the alias's previous recorded move left it at, and where the alias now
+    points elsewhere than the last recorded move left it (to_version None: removed)."""
+    out: list[AliasMove] = []
+    last: dict[str, int | None] = {}
+    for m in found:
+        if m.alias in last and m.from_version != last[m.alias]:
+            out.append(AliasMove(name, m.alias, last[m.alias], m.from_version, OUTSIDE, "?", "",   # type: ignore
+                                 "not recorded by kiln: the alias was moved outside kiln between these two moves"))
+        out.append(m)
+        last[m.alias] = None if m.action == RETIRE else m.to_version
+    for alias, was in last.items():
+        if current.get(alias) != was:
+            out.append(AliasMove(name, alias, was, current.get(alias), OUTSIDE, "?", "now",     # type: ignore
+                                 "not recorded by kiln: the alias was moved outside kiln after the last recorded "
+                                 "move"))
+    return out
+
+
+def history(cfg: Config, name: str, root: Path = Path("."), alias: str | None = None,
+            gaps: bool = False) -> list[AliasMove]:
+    """Every recorded alias move of a registered model (or engine name), oldest first; with `gaps`, the moves made
+    outside kiln marked where they fall (`with_gaps`)."""
     name = registered_name(cfg, name)
     reg = Registry(cfg, root)
     with errors(reg.uri):
@@ -221,6 +246,8 @@ def history(cfg: Config, name: str, root: Path = Path("."), alias: str | None = 
             with reg.lock(name):
                 settle(reg, name)
         found = moves(reg, name)
+        if gaps:
+            found = with_gaps(name, found, reg.aliases(name))
     return [m for m in found if alias is None or m.alias == alias]
 
 
@@ -501,13 +528,22 @@ def production_pins(reg: Registry) -> list[Pin]:
     return out
 
 
-def _guard(reg: Registry, name: str, version: int, action: str, force: bool, reason: str | None) -> str | None:
+def _guard(reg: Registry, name: str, version: int, action: str, force: bool, reason: str | None
+           ) -> tuple[str | None, str | None]:
     """An engine-level move that would change what a production face system runs is refused: the production
     system version is the one truth, and its parts move with it (`kiln promote --system`). `force` (with a reason)
-    moves it anyway; the returned reason says so in the move's record."""
-    held = [p for p in production_pins(reg) if p.registered_model == name and p.version != version]
+    moves it anyway; the returned reason says so in the move's record. (the reason, a note for the record when no
+    production system runs the engine at all: the move changes no deployed system, and says so)"""
+    pins = production_pins(reg)
+    if not any(p.registered_model == name for p in pins):
+        running = sorted({p.system.removeprefix(SYSTEMS) for p in pins})
+        note = (f"outside every production system: no production system runs {name} ("
+                + (f"production systems: {', '.join(running)}" if running else "no system is in production")
+                + "), so this moves no deployed system")     # in the record, so in promote's output line too
+        return reason, note
+    held = [p for p in pins if p.registered_model == name and p.version != version]
     if not held:
-        return reason
+        return reason, None
     p = held[0]
     system = p.system.removeprefix(SYSTEMS)
     if not force:
@@ -516,7 +552,14 @@ def _guard(reg: Registry, name: str, version: int, action: str, force: bool, rea
                         f"move the whole system: kiln promote --system {system} VERSION (or --force --reason WHY)")
     if not reason:
         raise KilnError(f"{name}: --force needs --reason (recorded in the history)", "e.g. --reason 'hotfix: …'")
-    return (f"FORCED past production system {system} v{p.system_version} (which pins v{p.version}): {reason}")
+    return f"FORCED past production system {system} v{p.system_version} (which pins v{p.version}): {reason}", None
+
+
+def _noted(reason: str | None, note: str | None, action: str, version: int, summary: str) -> str | None:
+    """The move's reason with the guard's note appended (the default reason spelled out, so neither is lost)."""
+    if note is None:
+        return reason
+    return f"{reason or f'{action} v{version}: {summary}'}; {note}"
 
 
 def promote(cfg: Config, name: str, version: int | str, root: Path = Path("."), actor: str | None = None,
@@ -533,9 +576,9 @@ def promote(cfg: Config, name: str, version: int | str, root: Path = Path("."), 
         reg.require_model(name)
         with reg.lock(name):
             settle(reg, name)
-            reason = _guard(reg, name, version, "promote", force, reason)
+            reason, note = _guard(reg, name, version, "promote", force, reason)
             summary = check_version(reg, name, version)
-            reason = not_faster_note(reg, name, version, reason)
+            reason = not_faster_note(reg, name, version, _noted(reason, note, "promote", version, summary))
             return record_move(reg, name, version, "promote", actor, reason, summary)
 
 
@@ -570,12 +613,13 @@ def rollback(cfg: Config, name: str, root: Path = Path("."), actor: str | None =
         with reg.lock(name):
             settle(reg, name)
             _, target = rollback_target(reg, name, f"kiln promote {name}")
-            reason = _guard(reg, name, target, "roll back", force, reason)
+            reason, note = _guard(reg, name, target, "roll back", force, reason)
             summary = check_version(reg, name, target)
-            return record_move(reg, name, target, "rollback", actor, reason, summary)
+            return record_move(reg, name, target, "rollback", actor, _noted(reason, note, "rollback", target, summary),
+                               summary)
 
 
-__all__ = ["AliasMove", "BUILT", "CANDIDATE", "PRODUCTION", "Pin", "RELEASES_EXPERIMENT", "SYSTEMS",
+__all__ = ["AliasMove", "BUILT", "CANDIDATE", "OUTSIDE", "PRODUCTION", "Pin", "RELEASES_EXPERIMENT", "SYSTEMS",
            "VALIDATIONS_EXPERIMENT", "attached_verdicts", "check_version", "download_verified", "fetch_release",
            "history", "move_alias", "pins", "production_pins", "promote", "recorded", "redact", "rollback",
-           "rollback_target", "settle"]
+           "rollback_target", "settle", "with_gaps"]

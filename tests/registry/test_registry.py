@@ -20,6 +20,7 @@ import pytest
 from pipeline import cli, paths, registry
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import artifact_digest, build_manifest, identity_digest, input_ref, manifest_path, write_manifest
+from pipeline.registry import aliases as aliases_mod
 from pipeline.registry.client import tracking_uri
 from pipeline.stages import register as register_stage
 
@@ -310,7 +311,10 @@ def test_promote_promote_rollback_and_history(cfg, root, monkeypatch):
     assert [(m.action, m.from_version, m.to_version, m.actor) for m in prod] == [
         ("promote", None, 1, "alice"), ("promote", 1, 2, "bob"), ("promote", 2, 3, "carol"),
         ("rollback", 3, 2, "bob"), ("rollback", 2, 1, "bob")]
-    assert prod[1].reason == "faster" and c.reason.startswith("promote v3: validation pass")
+    assert prod[1].reason.startswith("faster; outside every production system: no production system runs ") \
+        and c.reason.startswith("promote v3: validation pass")
+    # round 5: an engine no production system runs moves with a word — in the output and the record
+    assert all("(no system is in production), so this moves no deployed system" in m.reason for m in prod), prod
     stamps = [m.at for m in prod]
     assert stamps == sorted(stamps) and all(s.endswith("+00:00") for s in stamps)
     assert len(registry.history(cfg, name, root)) == 3 + 5                   # 3 candidate moves + 5 production
@@ -608,7 +612,7 @@ def test_history_is_the_record_and_an_alias_moved_outside_kiln_is_said(cfg, root
     c.set_tag(run_id, "reason", "\x1b]8;;https://evil.example\x07approved by security\x1b]8;;\x07")
     c.set_tag(run_id, "actor", "the-ceo")
     (m,) = registry.history(cfg, r.name, root, alias="production")
-    assert (m.reason, m.actor, m.to_version) == ("first", "alice", 1)
+    assert (m.reason.split(";")[0], m.actor, m.to_version) == ("first", "alice", 1)
 
     capsys.readouterr()
     c.set_registered_model_alias(r.name, "production", "2")              # someone used the MLflow UI
@@ -617,3 +621,10 @@ def test_history_is_the_record_and_an_alias_moved_outside_kiln_is_said(cfg, root
     assert err.count("kiln: WARNING:") == 1 and "moved outside kiln" in err and "v2" in err
     assert moved.from_version == 2 and "moved outside kiln" in moved.reason
     assert "moved outside kiln" in registry.history(cfg, r.name, root, alias="production")[-1].reason
+    # round 5: `kiln history` marks the gap — v1 → v2 was never recorded — and a move made since the last record
+    c.set_registered_model_alias(r.name, "production", "1")
+    marked = registry.history(cfg, r.name, root, alias="production", gaps=True)
+    assert [(m.action, m.from_version, m.to_version, m.at) for m in marked] == [
+        ("promote", None, 1, marked[0].at), (aliases_mod.OUTSIDE, 1, 2, ""), ("promote", 2, 3, marked[2].at),
+        (aliases_mod.OUTSIDE, 3, 1, "now")]
+    assert [m.action for m in registry.history(cfg, r.name, root, alias="production")] == ["promote", "promote"]
