@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -492,6 +493,25 @@ def test_the_runtime_alone_runs_the_release_as_the_build_does(released, runtime_
 
 
 @slow
+def test_a_photo_name_that_holds_terminal_controls_is_shown_escaped(released, runtime_venv, tmp_path):
+    """Round 4's leftover (round 5 item 8): a photo whose file name holds ESC / OSC 8 (a hyperlink that hides its
+    target) was printed raw by `kiln-run identify` and `kiln identify --release`; now shown escaped, as every other
+    untrusted text."""
+    photo = list_photos(released["root"] / released["cfg"].data.photos)[0].path
+    evil = tmp_path / "\x1b]8;;evil.example\x07boss\x1b]8;;\x07.jpg"
+    shutil.copyfile(photo, evil)
+    archive, pub = str(released["release"].archive), str(released["pub"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_"))}
+    for r in (_run(runtime_venv, "identify", archive, "--key", pub, str(evil), cwd=tmp_path),
+              subprocess.run([sys.executable, "-m", "pipeline.cli", "identify", "--release", archive, "--key", pub,
+                              str(evil)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)):
+        assert r.returncode == 0 and "\x1b" not in r.stdout + r.stderr, r.stdout
+        assert "\\x1b]8;;evil.example\\x07boss\\x1b]8;;\\x07.jpg: 1 face" in r.stdout, r.stdout
+    missing = _run(runtime_venv, "identify", archive, "--key", pub, str(tmp_path / "\x1b[2Jgone.jpg"), cwd=tmp_path)
+    assert missing.returncode == 2 and "\\x1b[2Jgone.jpg: not found" in missing.stderr and "\x1b" not in missing.stderr
+
+
+@slow
 def test_serve_answers_over_http_and_drains_on_sigterm(released, runtime_venv, tmp_path):
     """`kiln-run serve` from the runtime venv: not ready until verified and warmed; POST /v1/identify answers what
     `kiln-run identify --json` answers; a bad image is a 400 and an oversized body a 413 (JSON, the service keeps
@@ -513,7 +533,8 @@ def test_serve_answers_over_http_and_drains_on_sigterm(released, runtime_venv, t
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_", "PYTHON"))}
     t0 = time.monotonic()
     proc = subprocess.Popen([str(runtime_venv / "bin" / "kiln-run"), "serve", archive, "--key", pub, "--port",
-                             str(port), "--workers", "1", "--queue", "2", "--max-bytes", str(3 << 20)],
+                             str(port), "--workers", "1", "--queue", "2", "--max-bytes", str(3 << 20),
+                             "--drain-delay", "0"],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         while True:
@@ -682,8 +703,8 @@ def test_push_pull_verify_serve_through_an_oci_registry(released, runtime_venv, 
 
     port = free_port()
     proc = subprocess.Popen([str(runtime_venv / "bin" / "kiln-run"), "serve", pinned, "--key", pub, "--port",
-                             str(port), "--workers", "1"], cwd=host, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, encoding="utf-8")
+                             str(port), "--workers", "1", "--drain-delay", "0"], cwd=host, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8")
     try:
         t0 = time.monotonic()
         while True:
@@ -748,3 +769,390 @@ def test_a_re_signed_or_re_pointed_release_is_refused_on_pull(released, oci_regi
         assert code == 1 and lines[0].startswith("kiln-run: error:") and needle in lines[0], err
         assert len(lines) <= 2 and "Traceback" not in err and ".kiln-pull-" not in err, err
         assert not out.exists() and not list(tmp_path.glob(".kiln-pull-*")), ref
+
+
+# ---------------------------------------------------------------------------------------------- the service, hostile
+# Reliability round 5 (issue 56): a dead worker, slow clients, decode bombs and formats, shutdown as an orchestrator
+# expects, the Open Inference Protocol's health and metadata, hygiene. Small configured bounds keep each case short.
+@contextmanager
+def _serving(venv: Path, archive: str, pub: str, *args: str, cwd: Path, env: dict | None = None):
+    """`kiln-run serve` from the runtime venv, ready (/readyz 200); (the process, its URL, its log files)."""
+    from kiln_runtime.serve import free_port
+
+    port = free_port()
+    env = env or {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_", "PYTHON"))}
+    logs = (cwd / f"serve-{port}.out", cwd / f"serve-{port}.err")
+    with open(logs[0], "w", encoding="utf-8") as out, open(logs[1], "w", encoding="utf-8") as err:
+        proc = subprocess.Popen([str(venv / "bin" / "kiln-run"), "serve", archive, "--key", pub, "--port", str(port),
+                                 *args], cwd=cwd, env=env, stdout=out, stderr=err, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, logs[1].read_text(encoding="utf-8")[-2000:]
+            try:
+                if _get(url + "/readyz", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() - t0 < 90, "not ready within 90 s"
+            time.sleep(0.05)
+        yield proc, url, logs
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _workers(pid: int) -> list[int]:
+    """The worker processes of a serve process (its multiprocessing children, not the resource tracker)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text(encoding="ascii").split()]
+    return sorted(k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes())
+
+
+def _metrics(url: str) -> dict[str, str]:
+    status, text = _get(url + "/metrics")
+    assert status == 200
+    return dict(ln.rsplit(" ", 1) for ln in text.decode().splitlines() if ln and not ln.startswith("#"))
+
+
+def _recovered(url: str, replaced: int, bound_s: float = 60) -> float:
+    """Seconds until /readyz says every worker is ready again after `replaced` replacements."""
+    t0 = time.monotonic()
+    while True:
+        status, body = _get(url + "/readyz", timeout=5)
+        w = json.loads(body)["workers"]
+        if status == 200 and w["replaced"] == replaced and w["ready"] == w["of"]:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < bound_s, (status, body)
+        time.sleep(0.05)
+
+
+def _big_frame(photo: Path, size: tuple[int, int] = (4096, 3072)) -> bytes:
+    """A JPEG of a real photo scaled up: a frame that keeps a worker busy for a while (under the pixel cap)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(photo) as im:
+        buf = io.BytesIO()
+        im.convert("RGB").resize(size).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+@slow
+def test_a_dead_worker_is_replaced_and_sigterm_drains_as_an_orchestrator_expects(released, runtime_venv, tmp_path):
+    """Item 1: a worker SIGKILLed while idle, then the workers SIGKILLed while one runs a frame: only that frame's
+    request fails (503, Retry-After), the service answers 200 meanwhile and again after, /readyz and /metrics show
+    the reduced capacity and the replacements. Item 7: on SIGTERM /readyz turns 503 at once while identify is still
+    answered (Connection: close) for the drain delay; then the port closes and the process exits 0 within a bound.
+    Before round 5: one dead worker made every later request a 500, forever, and SIGTERM then hung."""
+    import http.client
+    import signal
+    import threading
+
+    photos = [p.path for p in list_photos(released["root"] / released["cfg"].data.photos)]
+    photo = photos[0].read_bytes()
+    archive, pub = str(released["release"].archive), str(released["pub"])
+    with _serving(runtime_venv, archive, pub, "--workers", "2", "--max-batch", "1", "--drain-delay", "2",
+                  cwd=tmp_path) as (proc, url, logs):
+        assert json.loads(_get(url + "/readyz")[1])["workers"] == {"ready": 2, "of": 2, "replaced": 0}
+        first = _workers(proc.pid)
+        assert len(first) == 2, first
+        os.kill(first[0], signal.SIGKILL)                                           # idle
+        assert _get(url + "/v1/identify", photo)[0] == 200                          # the other one answers
+        idle_s = _recovered(url, 1)
+        assert _get(url + "/v1/identify", photo)[0] == 200
+        print(f"serve: an idle worker SIGKILLed → every worker ready again in {idle_s:.2f} s")
+
+        busy: list[tuple[int, bytes]] = []
+        t = threading.Thread(target=lambda: busy.append(_get(url + "/v1/identify", _big_frame(photos[0]))))
+        t.start()
+        t0 = time.monotonic()
+        while _metrics(url)["kiln_queue_depth"] != "1":                           # the frame is in the service
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.01)
+        time.sleep(0.2)
+        for w in _workers(proc.pid):                                                # the one running it among them
+            os.kill(w, signal.SIGKILL)
+        t.join(timeout=60)
+        (status, body), = busy
+        assert status == 503 and "worker process running this frame died" in json.loads(body)["error"], body
+        busy_s = _recovered(url, 3)
+        print(f"serve: both workers SIGKILLed, one busy → every worker ready again in {busy_s:.2f} s")
+        codes = [_get(url + "/v1/identify", p.read_bytes())[0] for p in photos]
+        assert codes == [200] * len(photos)
+        m = _metrics(url)
+        assert (m["kiln_worker_restarts_total"], m["kiln_workers_ready"], m["kiln_workers"]) == ("3", "2", "2")
+        assert m['kiln_errors_total{reason="worker_died"}'] == "1" and 'kiln_requests_total{status="500"}' not in m
+
+        keep = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=30)
+        keep.request("GET", "/healthz")
+        assert keep.getresponse().read() and True
+        proc.send_signal(signal.SIGTERM)
+        t_term = time.monotonic()
+        t0 = time.monotonic()
+        while _get(url + "/readyz", timeout=5)[0] != 503:                           # at once
+            assert time.monotonic() - t0 < 1
+            time.sleep(0.01)
+        assert _get(url + "/v2/health/ready")[0] == 503 and _get(url + "/healthz")[0] == 200
+        keep.request("POST", "/v1/identify", body=photo)                            # still answered, then moved on
+        r = keep.getresponse()
+        assert r.status == 200 and r.getheader("Connection") == "close" and json.loads(r.read())["faces"]
+        keep.close()
+        while True:                                                                 # the port closes after the delay
+            try:
+                _get(url + "/healthz", timeout=2)
+            except OSError:
+                break
+            assert time.monotonic() - t_term < 2 + 5
+            time.sleep(0.05)
+        closed_s = time.monotonic() - t_term
+        assert proc.wait(timeout=30 + 10) == 0
+        print(f"serve: SIGTERM → port closed after {closed_s:.2f} s (drain delay 2), exit 0 after "
+              f"{time.monotonic() - t_term:.2f} s")
+        assert closed_s >= 1.8
+        out, err = (f.read_text(encoding="utf-8") for f in logs)
+        assert "drained" in out and "Traceback" not in err and "killed by SIGKILL" in err, err[-3000:]
+        assert err.count("starting a replacement") == 3 and "the 1 request(s) it held failed" in err, err[-3000:]
+
+
+@slow
+def test_slow_clients_bombs_and_other_formats_are_bounded_and_oip_answers(released, runtime_venv, tmp_path):
+    """Items 3, 4, 6 and 7's endpoints: heads and bodies that never finish are cut at the configured bounds (408)
+    while /healthz answers, past the connection limit too; a 9000×9000 PNG of 79 kB is refused from its header
+    (413), GIF and TIFF with the allowed formats named (400); a frame past the request bound is a 504 and its
+    worker replaced; a client that hangs up mid-body is one log line, not a
+    traceback; the Open Inference Protocol's health and model metadata (release version, the archive's sha256, the
+    embedder's digest) answer as gateways expect."""
+    import hashlib
+    import io
+    import socket
+
+    import numpy as np
+    from PIL import Image
+
+    archive, pub = str(released["release"].archive), str(released["pub"])
+    rel = json.loads((_tree(released["release"].archive, tmp_path / "t") / "release.json").read_text("utf-8"))
+    with _serving(runtime_venv, archive, pub, "--workers", "1", "--header-timeout", "1", "--body-timeout", "1",
+                  "--max-connections", "16", "--request-timeout", "0.25", "--drain-delay", "0",
+                  cwd=tmp_path) as (proc, url, logs):
+        port = int(url.rsplit(":", 1)[1])
+        slow = []
+        for i in range(40):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/identify HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"POST /v1/identify HTTP/1.1\r\n"
+                      b"Host: x\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100)
+            slow.append(s)
+        assert _get(url + "/healthz", timeout=5)[0] == 200                          # at the limit: answered
+        answers = []
+        for s in slow:
+            s.settimeout(5)
+            try:
+                answers.append(s.recv(65536))
+            except OSError:
+                answers.append(b"")
+            s.close()
+        assert all(a.startswith((b"HTTP/1.1 408 ", b"HTTP/1.1 503 ")) for a in answers), answers[:3]
+        m = _metrics(url)
+        events = {k: int(v) for k, v in m.items() if k.startswith("kiln_connection_events_total")}
+        assert sum(events.values()) == 40 and events.get('kiln_connection_events_total{event="evicted"}', 0) >= 40 - 17
+        assert any("timeout" in k for k in events) and m["kiln_connections"] in ("1", "2"), events
+
+        cut = socket.create_connection(("127.0.0.1", port))                         # hangs up mid-body
+        cut.sendall(b"POST /v1/identify HTTP/1.1\r\nHost: x\r\nContent-Length: 500000\r\n\r\n" + b"x" * 1000)
+        time.sleep(0.2)
+        cut.close()
+
+        bomb = io.BytesIO()
+        Image.new("L", (9000, 9000)).save(bomb, "PNG")
+        assert len(bomb.getvalue()) < 100_000
+        status, body = _get(url + "/v1/identify", bomb.getvalue())
+        assert status == 413 and "9000×9000 pixels is too large (limit 16.8 MP)" in json.loads(body)["error"], body
+        photo = list_photos(released["root"] / released["cfg"].data.photos)[0].path
+        status, body = _get(url + "/v1/identify", _big_frame(photo, (4096, 4096)))    # ≈ 1-2 s of work here
+        assert status == 504 and "within the service's bound of 0.25 s" in json.loads(body)["error"], body
+        assert _recovered(url, 1) >= 0                                # its worker was stopped and replaced
+        for fmt in ("GIF", "TIFF"):
+            buf = io.BytesIO()
+            Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(buf, fmt)
+            status, body = _get(url + "/v1/identify", buf.getvalue())
+            err = json.loads(body)
+            assert status == 400 and f"{fmt} image; this service reads JPEG, PNG, BMP, WebP only" in err["error"]
+            assert "JPEG, PNG, BMP, WebP" in err["hint"]
+
+        assert _get(url + "/v2/health/live")[0] == 200 and _get(url + "/v2/health/ready")[0] == 200
+        status, body = _get(url + f"/v2/models/{SYSTEM}")
+        meta = json.loads(body)
+        embedder = next(p for p in rel["parts"] if p["model"] == "embedder")
+        assert status == 200 and meta["name"] == SYSTEM and meta["versions"] == ["1"]
+        assert meta["parameters"]["archive_digest"] == "sha256:" + hashlib.sha256(
+            released["release"].archive.read_bytes()).hexdigest()
+        assert meta["parameters"]["system_sha256"] == rel["system_sha256"]
+        assert meta["parameters"]["embedder"]["xxh3_128"] == embedder["xxh3_128"]
+        assert _get(url + f"/v2/models/{SYSTEM}/versions/1/ready")[0] == 200
+        assert _get(url + f"/v2/models/{SYSTEM}/versions/7")[0] == 404 and _get(url + "/v2/models/other")[0] == 404
+        assert json.loads(_get(url + "/v2")[1])["name"] == "kiln-run"
+        m = _metrics(url)
+        assert m['kiln_errors_total{reason="too_large"}'] == "1" and m['kiln_errors_total{reason="bad_image"}'] == "2"
+        assert m['kiln_errors_total{reason="client_disconnected"}'] == "1"
+        assert m['kiln_errors_total{reason="timeout"}'] == "1" and m["kiln_worker_restarts_total"] == "1"
+        import signal
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+    out, err = (f.read_text(encoding="utf-8") for f in logs)
+    assert "Traceback" not in err and err.count("a client hung up after") == 1, err[-3000:]
+
+
+@slow
+def test_serve_bounds_its_setup_and_leaves_no_tree_behind(released, runtime_venv, tmp_path):
+    """Item 6: `--host ''` (every interface, silently) and more workers than cores are refused in one line, before
+    anything is verified; connections the host's file limit cannot hold are refused at start. A serve SIGTERMed while
+    its workers load exits at once and leaves no extracted tree; one SIGKILLed leaves one, its workers exit, and the
+    next kiln-run command removes it."""
+    import resource
+    import signal
+
+    from kiln_runtime.serve import free_port
+
+    archive, pub = str(released["release"].archive), str(released["pub"])
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+
+    def ours() -> list[str]:                  # what kiln-run leaves in TMPDIR (ONNX Runtime keeps a .ses file there)
+        return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith("kiln-"))
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KILN_", "PYTHON"))},
+           "TMPDIR": str(tmpdir)}
+    serve = [str(runtime_venv / "bin" / "kiln-run"), "serve", archive, "--key", pub, "--port", str(free_port())]
+    for extra, needle in ((["--host", ""], "--host '' would listen on every interface"),
+                          (["--workers", str(os.cpu_count() + 1)], "more workers than cores")):
+        r = subprocess.run(serve + extra, env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 2
+    r = subprocess.run(serve + ["--max-connections", "5000"], env=env, capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+    assert r.returncode == 2 and "--max-connections 5000 needs about" in r.stderr and "ulimit -n" in r.stderr, r.stderr
+
+    for moment in ("extracted", "loading"):     # SIGTERM once the tree is extracted, and once its worker runs
+        started = subprocess.Popen(serve + ["--workers", "1"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        t0 = time.monotonic()
+        while not list(tmpdir.glob(f"kiln-verify-release-pid{started.pid}-*/*/release.json")) or \
+                moment == "loading" and not _workers(started.pid):
+            assert time.monotonic() - t0 < 60 and started.poll() is None
+            time.sleep(0.005)
+        started.send_signal(signal.SIGTERM)
+        out, err = started.communicate(timeout=30)
+        # 143 while it starts; 0 if it was ready (a drain) by the time the signal came
+        assert started.returncode in (143, 0) and "Traceback" not in err and ours() == [], err
+        print(f"serve: SIGTERM when {moment}: exit {started.returncode}, nothing left in TMPDIR")
+
+    with _serving(runtime_venv, archive, pub, "--workers", "1", cwd=tmp_path, env=env) as (proc, url, _):
+        workers = _workers(proc.pid)
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        while any(Path(f"/proc/{w}").exists() and b"spawn_main" in Path(f"/proc/{w}/cmdline").read_bytes()
+                  for w in workers):                                                # they notice and exit
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.05)
+        left = ours()
+        assert len(left) == 1 and left[0].startswith(f"kiln-verify-release-pid{proc.pid}-"), left
+    r = subprocess.run([str(runtime_venv / "bin" / "kiln-run"), "verify", archive, "--key", pub], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and ours() == [], (r.stderr, ours())
+
+
+# ---------------------------------------------------------------------------------------------- channels
+@pytest.fixture(scope="module")
+def released_v2(released, sysroot):
+    """v2 of the system (its FP32-embedder variant) registered and released beside v1, with the same key: a newer
+    version for a channel to move to and back from."""
+    root = released["root"]
+    c32 = use(sysroot, "fp32")
+    try:
+        register_parts(c32, root)
+        assert systems.register_system(c32, SYSTEM, root).version == 2
+        r = system_release.build(c32, SYSTEM, "2", root, released["key"], root / "v2-release")
+    finally:
+        use(sysroot, "int8")
+    return r
+
+
+@slow
+def test_a_channel_follows_only_newer_signed_statements(released, released_v2, runtime_venv, oci_registry,
+                                                        tmp_path):
+    """Item 2, through the real registry (TLS, basic auth): `kiln push ARCHIVE …:prod` signs a channel statement;
+    a host pulls v1, then v2 by the channel. Re-pointing :prod back at v1's older channel manifest (an old, validly
+    signed statement) or at a plain release manifest is refused by pull and serve in one line, as is a statement past
+    its expiry; a NEW statement pointing at v1 — `kiln push` says it moves to a lower version — is a signed rollback:
+    the host follows it and records it. Before round 5 the re-pointed tag was pulled and served with exit 0."""
+    from kiln_runtime import oci
+
+    v1, v2, pub = released["release"].archive, released_v2.archive, str(released["pub"])
+    env = oci_registry.env(KILN_SIGNING_KEY=str(released["key"]))
+    prod = f"{oci_registry.host}/kiln/{SYSTEM}:prod"
+    host = tmp_path / "host"
+    host.mkdir()
+    state = tmp_path / "state"
+    runenv = {**oci_registry.env(), "KILN_RUN_STATE": str(state)}
+
+    def pull(ref: str = prod) -> subprocess.CompletedProcess:
+        return _run_with(runtime_venv, runenv, "pull", ref, "--key", pub, "--out", "releases", cwd=host)
+
+    def manifest(ref: str) -> bytes:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in oci_registry.env().items():
+                mp.setenv(k, v)
+            return oci.Registry(oci.parse_ref(ref)).manifest()[0]
+
+    def repoint(raw: bytes) -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in oci_registry.env().items():
+                mp.setenv(k, v)
+            oci.Registry(oci.parse_ref(prod)).put_manifest(raw)
+
+    first = _push(oci_registry, str(v1), prod, "--key", pub)
+    assert first.returncode != 0 and "no signing key" in first.stderr               # a channel needs the signer
+    env_push = lambda *a: subprocess.run([sys.executable, "-m", "pipeline.cli", "push", *a], env=env,  # noqa: E731
+                                         capture_output=True, text=True, encoding="utf-8", timeout=300, cwd=REPO)
+    r = env_push(str(v1), prod, "--key", pub)
+    assert r.returncode == 0 and "channel prod → dlib-mtcnn v1 (new channel)" in r.stdout, r.stdout + r.stderr
+    old_channel = manifest(prod)
+    got = pull()
+    assert got.returncode == 0 and "ok  channel prod → dlib-mtcnn v1: statement signed" in got.stdout, got.stderr
+    r = env_push(str(v2), prod, "--key", pub)
+    assert r.returncode == 0 and "(was v1, issued" in r.stdout and "LOWER" not in r.stdout, r.stdout + r.stderr
+    got = pull()
+    assert got.returncode == 0 and "dlib-mtcnn v2" in got.stdout, got.stderr
+    assert sorted(p.name for p in (host / "releases").iterdir()) == [v1.name, v2.name]
+
+    r = env_push(str(v1), prod, "--key", pub, "--expires", "0.00002")              # ≈ 1.7 s
+    assert r.returncode == 0 and "moves to a LOWER version: dlib-mtcnn v2 → v1 — a signed rollback" in r.stdout, \
+        r.stdout + r.stderr
+    time.sleep(2)
+    r = pull()                                                    # the freeze: a statement past its expiry
+    assert r.returncode == 1 and "expired at" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+    repoint(old_channel)                                          # the rollback attack: an old signed statement
+    for r in (pull(), _run_with(runtime_venv, runenv, "serve", prod, "--key", pub, "--port", "1", cwd=host)):
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "older than the one this host already accepted (v2" in lines[-2], r.stderr
+        assert lines[-2].startswith("kiln-run: error:") and "Traceback" not in r.stderr
+    doc1 = json.loads((_tree(v1, tmp_path / "t1") / "release.json").read_text(encoding="utf-8"))
+    repoint(oci.release_manifest(v1, doc1)[0])                     # a plain (signed) release under the channel tag
+    r = pull()
+    assert r.returncode == 1 and "'prod' is a channel tag, and it points at a release with no signed channel " \
+        "statement" in r.stderr, r.stderr
+
+    r = env_push(str(v1), prod, "--key", pub)                     # the real rollback: signed, newer
+    assert r.returncode == 0 and "could not be read (it points at a release with no channel statement)" in r.stderr
+    got = pull()
+    assert got.returncode == 0 and "a signed rollback of kiln/dlib-mtcnn:prod: v2 → v1" in got.stdout, got.stderr
+    log = [json.loads(ln) for ln in (state / "channels.log").read_text(encoding="utf-8").splitlines()]
+    assert [(e["version"], e["rollback"]) for e in log] == [(1, False), (2, False), (1, True)]
+    assert oci_registry.password not in got.stdout + got.stderr
