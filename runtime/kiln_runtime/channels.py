@@ -165,6 +165,27 @@ def state_dir() -> Path:
     return Path(base) / "kiln-run"
 
 
+def _floors(doc: Any) -> dict:
+    """channels.json's floors, every entry checked (ValueError otherwise): a floor Kiln cannot read is never taken
+    for no floor."""
+    floors = doc.get("channels") if isinstance(doc, dict) else None
+    if not isinstance(floors, dict):
+        raise ValueError("no channels")
+    for key, f in floors.items():
+        if not isinstance(f, dict) or not isinstance(f.get("version"), int) or not isinstance(f.get("statement"), str):
+            raise ValueError(key)
+        parse_time(f.get("issued"), key)
+    return floors
+
+
+def _below(st: "Statement", floor: dict | None) -> bool:
+    """Whether `st` is older than the floor, or another statement issued at the same instant."""
+    if floor is None:
+        return False
+    issued, held = parse_time(st.issued, "issued"), parse_time(floor["issued"], "floor")
+    return issued < held or (issued == held and st.digest != floor.get("statement"))
+
+
 @contextmanager
 def _locked(folder: Path) -> Iterator[dict]:
     """channels.json under an exclusive lock; written back (atomically) when the block changes it."""
@@ -178,11 +199,10 @@ def _locked(folder: Path) -> Iterator[dict]:
         fcntl.flock(fd, fcntl.LOCK_EX)
         path = folder / "channels.json"
         try:
-            doc = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-        except (OSError, ValueError):
+            floors = _floors(json.loads(path.read_text(encoding="utf-8"))) if path.exists() else {}
+        except (OSError, ValueError, RecursionError):
             raise KilnError(f"{path}: unreadable (this host's channel floors)", f"restore it from a backup; removing "
                             "it forgets which channel statements this host accepted") from None
-        floors = doc.get("channels") if isinstance(doc, dict) and isinstance(doc.get("channels"), dict) else {}
         before = json.dumps(floors, sort_keys=True)
         yield floors
         if json.dumps(floors, sort_keys=True) != before:
@@ -201,10 +221,7 @@ def check_floor(st: Statement, folder: Path | None = None) -> dict | None:
     same instant); the floor (None: the first statement for it here)."""
     with _locked(folder or state_dir()) as floors:
         floor = floors.get(st.key)
-    if floor is None:
-        return None
-    issued, held = parse_time(st.issued, "issued"), parse_time(floor["issued"], "floor")
-    if issued < held or (issued == held and st.digest != floor.get("statement")):
+    if _below(st, floor):
         raise GateFailed(f"the channel statement for {shown(st.key, 200)} (v{st.version}, issued {st.issued}) is "
                          f"older than the one this host already accepted (v{floor['version']}, issued "
                          f"{floor['issued']}): refusing to roll back", "a registry or proxy is serving an old "
@@ -214,13 +231,14 @@ def check_floor(st: Statement, folder: Path | None = None) -> dict | None:
 
 
 def accept(st: Statement, source: str, folder: Path | None = None) -> str | None:
-    """Move the channel's floor to `st` (after the release it names verified) and append the acceptance to
-    channels.log; a note when this is a signed rollback to a lower version, else None."""
+    """Move the channel's floor to `st` (after the release it names verified, before it is placed) and append the
+    acceptance to channels.log; a note when this is a signed rollback to a lower version, else None."""
     folder = folder or state_dir()
     with _locked(folder) as floors:
         floor = floors.get(st.key)
-        if floor is not None and parse_time(st.issued, "issued") < parse_time(floor["issued"], "floor"):
-            raise GateFailed(f"the channel {shown(st.key, 200)} moved on while this pull ran", "pull again")
+        if _below(st, floor):
+            raise GateFailed(f"the channel {shown(st.key, 200)} moved on while this pull ran (this host accepted "
+                             f"v{floor['version']}, issued {floor['issued']})", "pull again; nothing was placed")
         floors[st.key] = {"issued": st.issued, "expires": st.expires, "system": st.system, "version": st.version,
                           "statement": st.digest, "archive": st.archive}
         rollback = floor is not None and st.version < int(floor["version"])

@@ -8,12 +8,16 @@ all. `protocol(bounds, events)` is uvicorn's protocol class with:
 - a **head bound**: a request's head (request line and headers) must arrive within `header_timeout_s` of the
   connection opening or of the request's first byte; past it, 408 and the connection is closed;
 - a **body bound**: the body must arrive within `body_timeout_s` of the head; past it, 408 and closed;
-- a **connection limit**: past `max_connections` open connections, a new one is still accepted and the oldest
-  connection that holds no request being answered is closed to make room — an idle keep-alive one first, then one
-  still sending its head, then one still sending its body (503 where a request had begun). So a probe's `/healthz`
-  is answered while the limit is reached: it sends its request at once and is never the one closed. Only when every
-  connection has a request being answered (the frames queue bounds those) and `reserve` more are open is a new one
-  closed at once.
+- a **connection limit**: past `max_connections` open connections, a new one is still accepted and a connection
+  that holds no request being answered is closed to make room — an idle keep-alive one first, else the one stalled
+  longest in its head or its body (503 where a request had begun). So a probe's `/healthz` is answered while the
+  limit is reached: it sends its request at once and is never the one stalled longest. Only when every connection
+  has a request being answered (the frames queue bounds those) and `reserve` more are open is a new one closed at
+  once.
+
+A response that completes before its request's body arrived closes the connection (its remaining bytes are never
+read); a pipelined request's head is bounded from the moment the answer before it completes, and nothing is written
+on a connection while an earlier answer on it is owed.
 
 Every timeout, eviction and refusal is counted (`events(name)`: /metrics) and never logged as a trace.
 """
@@ -61,13 +65,15 @@ def protocol(bounds: Bounds, events: Callable[[str], None], live: dict | None = 
                 "retry shortly; reuse one connection for many requests")
 
     class Bounded(HttpToolsProtocol):
-        phase = HEAD
+        phase = HEAD                   # of the newest request: its head, its body, answering it, or idle
+        since = 0.0                    # when that phase began (eviction: the longest stalled first)
+        owed = 0                       # requests whose head arrived and whose response is not complete
         timer = None
 
         # ------------------------------------------------------------------ the phases of a request
         def connection_made(self, transport) -> None:      # noqa: ANN001 — asyncio's signature
             super().connection_made(transport)
-            self.phase = HEAD
+            self._phase(HEAD)
             self._arm(bounds.header_timeout_s, "header_timeout", late_head)
             live[self] = None
             if len(live) > bounds.max_connections:
@@ -75,23 +81,32 @@ def protocol(bounds: Bounds, events: Callable[[str], None], live: dict | None = 
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            if self.phase != HEAD:                        # a keep-alive connection's next request: its first byte
-                self.phase = HEAD
-                self._arm(bounds.header_timeout_s, "header_timeout", late_head)
+            if self.phase != HEAD:                        # the next request's first byte
+                self._phase(HEAD)
+                if self.owed == 0:                        # pipelined behind an answer: armed when that completes
+                    self._arm(bounds.header_timeout_s, "header_timeout", late_head)
 
         def on_headers_complete(self) -> None:
-            self.phase = BODY
+            self.owed += 1
+            self._phase(BODY)
             self._arm(bounds.body_timeout_s, "body_timeout", late_body)
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
-            self.phase = ANSWERING
+            self._phase(ANSWERING)
             self._disarm()
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
-            if self.phase == ANSWERING:
-                self.phase = IDLE
+            self.owed = max(0, self.owed - 1)
+            if self.owed == 0:
+                if self.phase == BODY:                    # answered before its body came (a 413, say): no reuse
+                    self._disarm()
+                    self.transport.close()
+                elif self.phase == ANSWERING:
+                    self._phase(IDLE)                     # uvicorn arms its keep-alive timer
+                elif self.phase == HEAD:                  # a pipelined request's head, now bounded
+                    self._arm(bounds.header_timeout_s, "header_timeout", late_head)
             super().on_response_complete()
 
         def connection_lost(self, exc) -> None:            # noqa: ANN001 — asyncio's signature
@@ -100,6 +115,9 @@ def protocol(bounds: Bounds, events: Callable[[str], None], live: dict | None = 
             super().connection_lost(exc)
 
         # ------------------------------------------------------------------ bounds
+        def _phase(self, phase: str) -> None:
+            self.phase, self.since = phase, self.loop.time()
+
         def _arm(self, seconds: float, event: str, answer: bytes) -> None:
             self._disarm()
             self.timer = self.loop.call_later(seconds, self._expire, event, answer)
@@ -109,34 +127,42 @@ def protocol(bounds: Bounds, events: Callable[[str], None], live: dict | None = 
                 self.timer.cancel()
                 self.timer = None
 
-        def _answering(self) -> bool:
+        def evictable(self) -> bool:
+            """Holding no answer: idle, or the only request owed is still arriving (its head or its body)."""
+            return not self.transport.is_closing() and (
+                self.owed == 0 or (self.owed == 1 and self.phase == BODY and not self._started()))
+
+        def _started(self) -> bool:
             cycle = self.cycle
-            return cycle is not None and not cycle.response_complete and cycle.response_started
+            return cycle is not None and cycle.response_started
 
         def _close(self, event: str, answer: bytes | None) -> None:
-            """Close, with `answer` written first when no response to this request has begun."""
+            """Close, with `answer` written first when no response on this connection is owed but this one."""
             if self.transport.is_closing():
                 return
             events(event)
             self._disarm()
             if self.phase == BODY and self.scope is not None:    # the app reading the body: cut, not a hang-up
                 self.scope.setdefault("state", {})[CUT] = event
-            if answer is not None and not self._answering():
+            if answer is not None and self.evictable():
                 self.transport.write(answer)
             self.transport.close()
 
         def _expire(self, event: str, answer: bytes) -> None:
             self.timer = None
+            if not self.evictable():       # an earlier answer is still being sent: bound this one after it
+                self._arm(bounds.body_timeout_s if event == "body_timeout" else bounds.header_timeout_s, event,
+                          answer)
+                return
             self._close(event, answer)
 
         def _make_room(self) -> None:
-            for phase, answer in ((IDLE, None), (HEAD, full), (BODY, full)):
-                victim = next((c for c in live if c is not self and c.phase == phase
-                               and not c.transport.is_closing()), None)
-                if victim is not None:
-                    victim._close("evicted", answer)
-                    return
-            if len(live) > bounds.max_connections + bounds.reserve:
+            idle = [c for c in live if c is not self and c.phase == IDLE and c.evictable()]
+            stalled = [c for c in live if c is not self and c.phase in (HEAD, BODY) and c.evictable()]
+            if idle or stalled:
+                victim = min(idle, key=lambda c: c.since) if idle else min(stalled, key=lambda c: c.since)
+                victim._close("evicted", None if victim.phase == IDLE else full)
+            elif len(live) > bounds.max_connections + bounds.reserve:
                 self._close("refused", full)
 
     return Bounded

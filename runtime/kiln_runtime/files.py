@@ -37,7 +37,21 @@ def open_regular(path: Path, hint: str, missing: tuple[str, str] | None = None) 
 
 
 # ---------------------------------------------------------------------------------------------- scratch folders
-_OWNED = re.compile(r"kiln-[a-z-]+?-pid([0-9]+)-")
+_OWNED = re.compile(r"kiln-[a-z-]+?-pid([0-9]+)-ns([0-9]+)-")
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode): a pid means a process only within one namespace, so containers that
+    share a temporary folder never judge each other's folders."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def owner_tag() -> str:
+    """What names a scratch folder's owner: `pid<PID>-ns<PID NAMESPACE>`."""
+    return f"pid{os.getpid()}-ns{_pid_namespace()}"
 
 
 def _alive(pid: int) -> bool:
@@ -55,6 +69,7 @@ def sweep_stale(folder: Path | None = None) -> list[Path]:
     process is gone — a `kiln-run serve` or a worker killed by SIGKILL cannot remove them itself. Only folders of this
     user; the ones removed."""
     base = Path(folder or tempfile.gettempdir())
+    ns = _pid_namespace()
     gone: list[Path] = []
     try:
         entries = list(os.scandir(base))
@@ -67,7 +82,7 @@ def sweep_stale(folder: Path | None = None) -> list[Path]:
                 continue
         except OSError:
             continue
-        if int(m[1]) != os.getpid() and not _alive(int(m[1])):
+        if int(m[2]) == ns and int(m[1]) != os.getpid() and not _alive(int(m[1])):
             shutil.rmtree(e.path, ignore_errors=True)
             gone.append(Path(e.path))
     return gone
@@ -75,8 +90,8 @@ def sweep_stale(folder: Path | None = None) -> list[Path]:
 
 @contextmanager
 def scratch(kind: str) -> Iterator[Path]:
-    """A private temporary folder `kiln-<kind>-pid<PID>-…` (0700), removed on exit; first, the stale ones of dead
-    processes are swept (`sweep_stale`)."""
+    """A private temporary folder `kiln-<kind>-pid<PID>-ns<PID NAMESPACE>-…` (0700), removed on exit; first, the
+    stale ones of dead processes are swept (`sweep_stale`)."""
     sweep_stale()
-    with tempfile.TemporaryDirectory(prefix=f"kiln-{kind}-pid{os.getpid()}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"kiln-{kind}-{owner_tag()}-") as tmp:
         yield Path(tmp)

@@ -490,7 +490,9 @@ def pull(ref: Ref, public_key: Path, out_dir: Path, plain_http: bool = False, ma
                          "REF:CHANNEL)")
     fd, tmp_name = tempfile.mkstemp(prefix=".kiln-pull-", suffix=".tar.gz", dir=staging)
     os.close(fd)
-    tmp, st_tmp = Path(tmp_name), Path(tmp_name + ".statement")
+    fd, st_name = tempfile.mkstemp(prefix=".kiln-pull-", suffix=".statement", dir=staging)
+    os.close(fd)
+    tmp, st_tmp = Path(tmp_name), Path(st_name)
     notes: list[str] = []
     try:
         st = None
@@ -522,11 +524,11 @@ def pull(ref: Ref, public_key: Path, out_dir: Path, plain_http: bool = False, ma
         if not placed and (dest.is_symlink() or not dest.is_file() or _sha256(dest) != layer["digest"]):
             raise KilnError(f"{dest} exists with other bytes", "nothing released is overwritten: pull into another "
                             "--out folder, or move that file away")
+        if st is not None and not ref.digest and (note := channels.accept(st, f"{ref} ({digest})")):
+            notes.append(note)                # the floor moves first: a pull that loses a race places nothing
         if placed:
             out_dir.mkdir(exist_ok=True)
             os.replace(tmp, dest)
-        if st is not None and not ref.digest and (note := channels.accept(st, f"{ref} ({digest})")):
-            notes.append(note)
     finally:
         tmp.unlink(missing_ok=True)
         st_tmp.unlink(missing_ok=True)

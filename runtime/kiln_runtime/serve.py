@@ -5,7 +5,8 @@
                         milliseconds. Each refusal is a JSON {"error", "hint"}, never a trace: a bad image or another
                         format 400, a body over the size bound 413, an image past the pixel cap 413 (from its header,
                         before any pixel is decoded), a full queue 503 + Retry-After, a frame whose worker died 503 +
-                        Retry-After (only that worker's frames), a frame past the time bound 504.
+                        Retry-After (only that worker's frames), as while no worker is ready, a frame past the time
+                        bound 504.
     GET  /healthz       200 while the process serves (also while draining, and at the connection limit)
     GET  /readyz        200 once verified and warmed, while at least one worker is ready and not draining; its JSON
                         says how many workers of how many are ready and how many were replaced
@@ -53,7 +54,7 @@ from kiln_runtime.connections import CUT, Bounds
 from kiln_runtime.errors import KilnError
 from kiln_runtime.images import WIRE_MAX_PIXELS
 from kiln_runtime.system import STAGES, Match
-from kiln_runtime.workers import BadImage, Options, Pool, TooSlow, WorkerDied
+from kiln_runtime.workers import BadImage, NoWorker, Options, Pool, TooSlow, WorkerDied
 
 MAX_BYTES = 20 << 20            # one request body: a 4096-side JPEG is a few MB
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -274,6 +275,8 @@ def app(service: Service, settings: Settings, live: dict):
             except queue.Full:
                 return refuse(503, "overloaded", f"{pool.limit} frames are already in the service",
                               "retry shortly, or add replicas", **{"Retry-After": "1"})
+            except NoWorker as e:
+                return refuse(503, "no_worker", e.message, e.hint, **{"Retry-After": "1"})
             try:
                 got = await asyncio.wait_for(asyncio.wrap_future(done), settings.request_timeout_s)
             except BadImage as e:
@@ -430,6 +433,8 @@ def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
             server.run(sockets=[sock])
         finally:
             service.draining = True
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)    # already stopping, within a bound: exit 0, not 143
             pool.stop()
     say(f"kiln-run: drained ({metrics.frames} frames served); bye", flush=True)
     return 0

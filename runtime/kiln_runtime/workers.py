@@ -56,6 +56,10 @@ class TooSlow(KilnError):
     """The frame's batch ran past the time bound: its worker was replaced."""
 
 
+class NoWorker(KilnError):
+    """No worker is ready (every one is being replaced): the request is answered 503 at once."""
+
+
 @dataclass(frozen=True)
 class Options:
     tree: str                    # the verified, extracted release
@@ -101,6 +105,9 @@ def run_batch(system, batch: list[tuple[int, bytes]], max_pixels: int) -> tuple:
             frames.append((jid, decode_bytes(body, "request body", max_pixels=max_pixels)))
         except KilnError as e:
             bad.append((jid, e.message, e.hint, isinstance(e, TooLarge)))
+        except Exception as e:  # noqa: BLE001 — a decoder's own failure on hostile bytes: that body's 400, no more
+            bad.append((jid, f"request body: not a readable image ({type(e).__name__})", "send a JPEG, PNG, BMP or "
+                        "WebP image", False))
     timings["decode"] = (time.perf_counter() - t0) * 1e3
     if not frames:
         return "batch", bad, None, None
@@ -153,47 +160,58 @@ class Job:
     id: int
     body: bytes
     future: concurrent.futures.Future
+    tries: int = 0               # times a worker died before it took the job (it is sent to a replacement once)
+    released: bool = False       # counted out of the pool's bound
 
 
 _STOP = object()
 _UNTAKEN = object()
+_GONE = (EOFError, OSError, AttributeError)      # a pipe closed under us, or taken by `kill` (None) at shutdown
 
 
 class Slot:
-    """One worker process, its pipe, and the feeder thread in the server that owns both."""
+    """One worker process, its pipe, and the feeder thread in the server that owns both. `lock` guards the process
+    and pipe against `Pool.stop` (another thread) starting or killing them at the same time."""
 
     def __init__(self, pool: "Pool", index: int) -> None:
         self.pool, self.index = pool, index
         self.proc = None
         self.conn = None
         self.ready = False
+        self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
 
     # -- the process
     def start(self) -> None:
-        ctx = self.pool.ctx
-        mine, theirs = ctx.Pipe(duplex=True)
-        o = self.pool.options
-        self.proc = ctx.Process(target=_worker, args=(o.tree, o.threads, o.max_pixels, theirs), daemon=True,
-                                name=f"kiln-worker-{self.index}")
-        self.proc.start()
-        theirs.close()                 # only the worker holds its end: its death is an EOF here
-        self.conn = mine
+        with self.lock:
+            if self.pool.stopping.is_set() and self.thread is not None:
+                raise KilnError("the service is stopping", "")
+            ctx = self.pool.ctx
+            mine, theirs = ctx.Pipe(duplex=True)
+            o = self.pool.options
+            self.proc = ctx.Process(target=_worker, args=(o.tree, o.threads, o.max_pixels, theirs), daemon=True,
+                                    name=f"kiln-worker-{self.index}")
+            try:
+                self.proc.start()
+            finally:
+                theirs.close()         # only the worker holds its end: its death is an EOF here
+            self.conn = mine
 
     def wait_ready(self, deadline: float) -> None:
         """Until the worker says ready; KilnError naming why when it says otherwise, dies or takes too long."""
+        conn, proc = self.conn, self.proc
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise KilnError(f"a worker did not load the system within {READY_TIMEOUT_S:.0f} s",
                                 "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO")
             try:
-                if not self.conn.poll(min(left, 0.5)):
+                if not conn.poll(min(left, 0.5)):
                     continue
-                kind, _, info = self.conn.recv()
-            except (EOFError, OSError):
-                self.proc.join(timeout=1)
-                raise KilnError(f"a worker exited ({_exit(self.proc.exitcode)}) while loading the system",
+                kind, _, info = conn.recv()
+            except _GONE:
+                proc.join(timeout=1)
+                raise KilnError(f"a worker exited ({_exit(proc.exitcode)}) while loading the system",
                                 "check the release loads: kiln-run identify ARCHIVE --key K.pub PHOTO; a worker "
                                 "killed by the OS may have run out of memory") from None
             if kind == "ready":
@@ -203,72 +221,74 @@ class Slot:
 
     def kill(self) -> None:
         """SIGKILL (a worker ignores SIGTERM) and reap; the pipe closed."""
-        if self.proc is not None and self.proc.pid is not None:
-            if self.proc.exitcode is None:
-                self.proc.kill()
-            self.proc.join(timeout=STOP_TIMEOUT_S)
-        if self.conn is not None:
-            self.conn.close()
-        self.conn, self.ready = None, False
+        with self.lock:
+            proc, conn = self.proc, self.conn
+            self.conn, self.ready = None, False
+            if proc is not None and proc.pid is not None:
+                if proc.exitcode is None:
+                    proc.kill()
+                proc.join(timeout=STOP_TIMEOUT_S)
+            if conn is not None:
+                conn.close()
 
     def stop(self) -> None:
         """Ask the worker to finish (None), wait a bound, then kill it."""
-        if self.conn is not None and self.proc is not None and self.proc.exitcode is None:
+        conn, proc = self.conn, self.proc
+        if conn is not None and proc is not None and proc.exitcode is None:
             try:
-                self.conn.send(None)
-            except OSError:
+                conn.send(None)
+                proc.join(timeout=STOP_TIMEOUT_S)
+            except _GONE:
                 pass
-            self.proc.join(timeout=STOP_TIMEOUT_S)
         self.kill()
 
     # -- the feeder thread
     def feed(self) -> None:
         """The slot's loop: (re)start the worker when it is not ready, take a batch, run it, deliver, again — until
-        the pool stops. Frames it holds when it stops fail; nothing it meets at shutdown is printed as a trace."""
-        held: list[Job] = []
-        try:
-            held = self._feed()
-        except Exception:  # noqa: BLE001 — a pipe closed under it by `Pool.stop` at its bound
-            if not self.pool.stopping.is_set():
-                raise
-        finally:
-            for j in held:
-                _settle(j.future, KilnError("the service stopped before this frame ran", "retry on another replica"))
-            self.stop()
-
-    def _feed(self) -> list[Job]:
+        the pool stops. Anything unexpected fails only the frames held and restarts the worker: one log line, never a
+        dead feeder."""
         pool, held, failures = self.pool, [], 0
-        while True:
-            if not self.ready:
-                if pool.stopping.is_set():
-                    return held
-                if not self._restart(failures):
-                    failures += 1
-                    continue
-                failures = 0
-            if not held:
-                job = pool.take(0.5)
-                if job is _STOP:
-                    return held
-                if job is None:                                   # idle: is the worker still there?
-                    if self.proc.exitcode is not None:
-                        self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
-                    continue
-                held = [j for j in [job, *pool.take_more(pool.options.max_batch - 1)]
-                        if not j.future.done()]                   # a request that gave up (timed out) is skipped
-                if not held:
-                    continue
+        while not pool.stopping.is_set():
             try:
-                self.conn.send([(j.id, j.body) for j in held])
-            except OSError:                 # died before it took them: they never ran; a replacement runs them
-                self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
-                continue
-            batch, held = held, []
-            reply = self._answer(batch)
-            if reply is _UNTAKEN:
-                held = batch                                      # never reached a worker: the replacement runs it
-            elif reply is not None:
-                pool.deliver(batch, reply)
+                if not self.ready:
+                    if not self._restart(failures):
+                        failures += 1
+                        continue
+                    failures = 0
+                held = self._step(held)
+            except Exception as e:  # noqa: BLE001 — a feeder must outlive whatever its worker does
+                if pool.stopping.is_set():
+                    break
+                pool.say(f"kiln-run: worker {self.index + 1}: {type(e).__name__}: {str(e)[:200]}; replacing it")
+                self._lost("failed", held)
+                held = []
+        pool.settle_all(held, KilnError("the service stopped before this frame ran", "retry on another replica"))
+        self.stop()
+
+    def _step(self, held: list[Job]) -> list[Job]:
+        """One batch: taken (or the one a dead worker never took), sent, answered; what is still to send next."""
+        pool = self.pool
+        if not held:
+            job = pool.take(0.5)
+            if job is _STOP or job is None:
+                if job is None and self.proc is not None and self.proc.exitcode is not None:
+                    self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
+                return []
+            held = [job, *pool.take_more(pool.options.max_batch - 1)]
+        held = pool.live(held)                     # a request that gave up (timed out) is not run
+        if not held:
+            return []
+        try:
+            self.conn.send([(j.id, j.body) for j in held])
+        except _GONE:                  # died before it took them: they never ran; a replacement runs them, once
+            self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
+            return pool.retry(held)
+        reply = self._answer(held)
+        if reply is _UNTAKEN:
+            return pool.retry(held)
+        if reply is not None:
+            pool.deliver(held, reply)
+        return []
 
     def _answer(self, batch: list[Job]):
         """The worker's reply to `batch`; None when it died running it or ran past the bound (the batch's frames
@@ -277,24 +297,25 @@ class Slot:
         bound = self.pool.options.batch_timeout_s
         deadline = time.monotonic() + bound
         took = False
+        conn, proc = self.conn, self.proc
         try:
             while True:
-                while not self.conn.poll(max(0.0, min(deadline - time.monotonic(), 0.5))):
+                while not conn.poll(max(0.0, min(deadline - time.monotonic(), 0.5))):
                     if time.monotonic() >= deadline:
                         self._lost(f"ran a batch past {bound:g} s: killed", batch,
                                    TooSlow(f"the frame's batch ran past the service's bound of {bound:g} s",
                                            "send a smaller image, or raise --request-timeout"))
                         return None
-                msg = self.conn.recv()
+                msg = conn.recv()
                 if msg[0] != "took":
                     return msg
                 took = True
-        except (EOFError, OSError):
-            self.proc.join(timeout=1)
+        except _GONE:
+            proc.join(timeout=1)
             if not took:
-                self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
+                self._lost(f"died while idle ({_exit(proc.exitcode)})", [])
                 return _UNTAKEN
-            self._lost(f"died running {len(batch)} frame(s) ({_exit(self.proc.exitcode)})", batch)
+            self._lost(f"died running {len(batch)} frame(s) ({_exit(proc.exitcode)})", batch)
             return None
 
     def _lost(self, what: str, batch: list[Job], error: KilnError | None = None) -> None:
@@ -304,15 +325,21 @@ class Slot:
 
     def _restart(self, failures: int) -> bool:
         if failures:
-            time.sleep(RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S)) - 1])
+            self.pool.stopping.wait(RESTART_BACKOFF_S[min(failures, len(RESTART_BACKOFF_S)) - 1])
+        if self.pool.stopping.is_set():
+            return False
         t0 = time.monotonic()
         try:
             self.start()
             self.wait_ready(t0 + READY_TIMEOUT_S)
-        except KilnError as e:
+        except (KilnError, OSError) as e:           # OSError: no pipe or process to be had (EMFILE, ENOMEM)
             self.kill()
             if not self.pool.stopping.is_set():
-                self.pool.say(f"kiln-run: worker {self.index + 1} could not be replaced: {e.message}; trying again")
+                why = e.message if isinstance(e, KilnError) else f"{type(e).__name__}: {e}"
+                self.pool.say(f"kiln-run: worker {self.index + 1} could not be replaced: {why[:300]}; trying again")
+            return False
+        if self.pool.stopping.is_set():
+            self.kill()
             return False
         self.ready = True
         self.pool.replaced(self, time.monotonic() - t0)
@@ -332,8 +359,9 @@ def _exit(code: int | None) -> str:
 
 
 class Pool:
-    """`options.workers` worker processes behind one in-process queue of at most `limit` frames (waiting or being
-    run): past it, `submit` raises queue.Full (the request is answered 503)."""
+    """`options.workers` worker processes behind one in-process queue of at most `limit` frames (waiting, being run,
+    or given up by their request but still queued): past it, `submit` raises queue.Full (the request is answered
+    503). So what the queue holds in memory is bounded whatever the workers do."""
 
     def __init__(self, options: Options, limit: int, on_batch: Callable[[int, dict, float, int], None],
                  say: Callable[[str], None] | None = None) -> None:
@@ -344,7 +372,7 @@ class Pool:
         self.ctx = mp.get_context("spawn")               # no fork after ONNX Runtime threads exist
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
-        self.pending = 0                                 # frames submitted and not yet answered
+        self.pending = 0                                 # frames in the pool: not yet released
         self.next_id = 0
         self.restarts = 0
         self.stopping = threading.Event()
@@ -374,20 +402,41 @@ class Pool:
 
     def submit(self, body: bytes) -> concurrent.futures.Future:
         """Queue one frame (the image's bytes: a worker decodes them). The future: Done, or BadImage / WorkerDied /
-        TooSlow / KilnError."""
+        TooSlow / KilnError. queue.Full past the bound; NoWorker while no worker is ready."""
+        if self.ready == 0:
+            raise NoWorker(f"no worker is ready ({len(self.slots)} being replaced)", "retry shortly")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             if self.pending >= self.limit:
                 raise queue.Full
             jid, self.next_id = self.next_id, self.next_id + 1
             self.pending += 1
-        fut.add_done_callback(self._answered)
         self.jobs.put(Job(jid, body, fut))
         return fut
 
-    def _answered(self, _fut) -> None:
+    def release(self, jobs: list[Job]) -> None:
+        """These frames leave the pool (answered, failed, or dropped after their request gave up)."""
         with self.lock:
-            self.pending -= 1
+            for j in jobs:
+                if not j.released:
+                    j.released = True
+                    self.pending -= 1
+
+    def live(self, jobs: list[Job]) -> list[Job]:
+        """The jobs whose request still waits; the others are released (their bodies dropped)."""
+        gone = [j for j in jobs if j.future.done()]
+        self.release(gone)
+        return [j for j in jobs if not j.future.done()]
+
+    def retry(self, jobs: list[Job]) -> list[Job]:
+        """Jobs a worker died before taking: sent again once, to its replacement; a second time they fail (whatever
+        kills a worker as it arrives is not sent to a third)."""
+        again = [j for j in self.live(jobs) if j.tries == 0]
+        for j in again:
+            j.tries += 1
+        self.settle_all([j for j in jobs if j not in again], WorkerDied(
+            "two workers died as this frame was sent to them", "retry the request; the service replaced them"))
+        return again
 
     def take(self, timeout: float):
         try:
@@ -408,6 +457,11 @@ class Pool:
             out.append(job)
         return out
 
+    def settle_all(self, jobs: list[Job], value: Any) -> None:
+        for j in jobs:
+            _settle(j.future, value)
+        self.release(jobs)
+
     def deliver(self, batch: list[Job], reply: tuple) -> None:
         _, bad, failed, done = reply
         by_id = {j.id: j.future for j in batch}
@@ -423,6 +477,9 @@ class Pool:
             self.on_batch(len(ids), share, cpu, sum(len(f) for f in found))
             for jid, faces, shape in zip(ids, found, shapes):
                 _settle(by_id.pop(jid, None), Done(faces, share, tuple(shape)))
+        for fut in by_id.values():                         # a reply that left a frame out: never silently
+            _settle(fut, KilnError("the worker's answer left this frame out", "see the service's log"))
+        self.release(batch)
 
     def lost(self, slot: Slot, what: str, batch: list[Job], error: KilnError | None) -> None:
         """A worker gone: the frames it held fail (and only those), its engines' private copies are removed; the
@@ -432,10 +489,9 @@ class Pool:
         sweep_stale()
         with self.lock:
             self.restarts += 1
-        err = error or WorkerDied("the worker process running this frame died", "retry the request; the service "
-                                  "replaced the worker (a worker killed by the OS may have run out of memory)")
-        for j in batch:
-            _settle(j.future, err)
+        self.settle_all(batch, error or WorkerDied(
+            "the worker process running this frame died", "retry the request; the service replaced the worker (a "
+            "worker killed by the OS may have run out of memory)"))
         if not self.stopping.is_set():
             held = f"the {len(batch)} request(s) it held failed" if batch else "no request was lost"
             self.say(f"kiln-run: {what}; {held}; starting a replacement ({self.ready}/{len(self.slots)} worker(s) "
@@ -447,7 +503,8 @@ class Pool:
 
     def stop(self, timeout_s: float = 2 * STOP_TIMEOUT_S) -> None:
         """Stop every worker within a bound: each feeder finishes its batch and asks its worker to stop; frames
-        still queued fail; whatever is left at the bound is killed."""
+        still queued fail; whatever is left at the bound is killed (and a feeder that outlives the bound starts
+        nothing new: it sees `stopping`)."""
         self.stopping.set()
         for _ in self.slots:
             self.jobs.put(_STOP)
@@ -463,8 +520,8 @@ class Pool:
             except queue.Empty:
                 break
             if isinstance(job, Job):
-                _settle(job.future, KilnError("the service stopped before this frame ran", "retry on another "
-                                              "replica"))
+                self.settle_all([job], KilnError("the service stopped before this frame ran", "retry on another "
+                                                 "replica"))
 
 
 def _settle(fut: concurrent.futures.Future | None, value: Any) -> None:
@@ -480,4 +537,4 @@ def _settle(fut: concurrent.futures.Future | None, value: Any) -> None:
         pass
 
 
-__all__ = ["BadImage", "Done", "Options", "Pool", "TooSlow", "WorkerDied", "run_batch", "warm"]
+__all__ = ["BadImage", "Done", "NoWorker", "Options", "Pool", "TooSlow", "WorkerDied", "run_batch", "warm"]

@@ -139,6 +139,8 @@ def test_an_unwritable_or_damaged_floor_is_one_line(keys, tmp_path):
     with pytest.raises(KilnError, match="cannot keep this host's channel floors"):
         channels.check_floor(st, tmp_path / "file" / "state")
     (tmp_path / "s").mkdir()
-    (tmp_path / "s" / "channels.json").write_text("{broken", encoding="utf-8")
-    with pytest.raises(KilnError, match="channels.json: unreadable"):
-        channels.check_floor(st, tmp_path / "s")
+    for broken in ("{broken", '{"channels": []}', '{"channels": {"kiln/demo:prod": {"version": 2}}}',
+                   '{"channels": {"kiln/demo:prod": {"version": 2, "statement": "x", "issued": "yesterday"}}}'):
+        (tmp_path / "s" / "channels.json").write_text(broken, encoding="utf-8")      # never taken for no floor
+        with pytest.raises(KilnError, match="channels.json: unreadable"):
+            channels.check_floor(st, tmp_path / "s")

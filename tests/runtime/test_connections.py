@@ -27,13 +27,20 @@ def server(bounds: Bounds):
     async def echo(request: Request):
         return JSONResponse({"bytes": len(await request.body())})
 
+    async def slow(request: Request):
+        import asyncio
+
+        await asyncio.sleep(0.5)
+        return JSONResponse({"bytes": len(await request.body())})
+
     events: dict[str, int] = {}
     live: dict = {}
 
     def count(name: str) -> None:
         events[name] = events.get(name, 0) + 1
 
-    app = Starlette(routes=[Route("/healthz", health), Route("/echo", echo, methods=["POST"])])
+    app = Starlette(routes=[Route("/healthz", health), Route("/echo", echo, methods=["POST"]),
+                            Route("/slow", slow, methods=["POST"])])
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
                             timeout_keep_alive=bounds.keep_alive_s, http=protocol(bounds, count, live))
     srv = uvicorn.Server(config)
@@ -121,3 +128,41 @@ def test_past_the_connection_limit_the_oldest_idle_or_slow_connection_makes_room
         assert first.startswith(b"HTTP/1.1 503 ") and b"more than 16 connections are open" in first, first[:200]
         for s in slow:
             s.close()
+
+
+def test_an_answer_before_the_body_closes_the_connection():
+    """A request answered before its body arrived (here: /healthz never reads it) would leave the connection open,
+    unbounded and never evictable once the body trickled in: it is closed after the answer instead."""
+    with server(Bounds(header_timeout_s=5, body_timeout_s=5, max_connections=64)) as (port, _, live):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n")
+        got = _read_all(s, 3)
+        assert got.startswith(b"HTTP/1.1 200 ") and b'"ok"' in got, got      # answered, then closed (EOF)
+        s.close()
+        time.sleep(0.1)
+        assert len(live) == 0
+
+
+def test_pipelined_requests_are_answered_in_order_and_never_evicted_meanwhile():
+    """Two requests sent back to back on one connection: while the first is answered, the connection holds answers
+    owed and is not closed to make room, however many connections arrive."""
+    with server(Bounds(header_timeout_s=5, body_timeout_s=5, max_connections=8)) as (port, events, _):
+        p = socket.create_connection(("127.0.0.1", port))
+        one = b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"
+        p.sendall(one + one.replace(b"abc", b"abcd").replace(b"Length: 3", b"Length: 4"))
+        time.sleep(0.1)
+        crowd = []
+        for _ in range(30):
+            c = socket.create_connection(("127.0.0.1", port))
+            c.sendall(b"GET /healthz HTTP/1.1\r\nHo")
+            crowd.append(c)
+        got = b""
+        p.settimeout(5)
+        while got.count(b"HTTP/1.1 200 ") < 2:
+            chunk = p.recv(65536)
+            assert chunk, (got, events)
+            got += chunk
+        assert got.index(b'"bytes":3') < got.index(b'"bytes":4'), got
+        assert events.get("evicted", 0) >= 30 - 8 - 1
+        for c in crowd + [p]:
+            c.close()

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from kiln_runtime.digests import check_files, manifest_path, read_manifest
 from kiln_runtime.errors import KilnError
+from kiln_runtime.files import owner_tag
 
 # target → "module:class" of its runner, imported only when one of its engines loads (a missing extra is one line)
 RUNNERS: dict[str, str] = {"ort-cpu": "kiln_runtime.runners.ort:OrtRunner",
@@ -37,7 +38,7 @@ def private_copy(engine_dir: Path, name: str, hint: str | Callable[[], str]
     engine_dir = Path(engine_dir)
     mpath = manifest_path(engine_dir, name)
     manifest = read_manifest(mpath)
-    tmp = tempfile.TemporaryDirectory(prefix=f"kiln-engine-pid{os.getpid()}-")     # a killed owner's: swept
+    tmp = tempfile.TemporaryDirectory(prefix=f"kiln-engine-{owner_tag()}-")     # a killed owner's: swept
     private = Path(tmp.name)
     os.chmod(private, 0o700)
     try:
