@@ -246,7 +246,7 @@ def history(cfg: Config, name: str, root: Path = Path("."), alias: str | None = 
             with reg.lock(name):
                 settle(reg, name)
         found = moves(reg, name)
-        if gaps:
+        if gaps and found:                  # no recorded move, no gap to mark (and maybe no registered model yet)
             found = with_gaps(name, found, reg.aliases(name))
     return [m for m in found if alias is None or m.alias == alias]
 
