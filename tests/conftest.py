@@ -163,6 +163,31 @@ def load_in_fresh_process(target: str, engine: Path, shape: tuple[int, ...], hea
 ORT_FP32 = "embedder-ort-cpu-fp32"
 
 
+# Photos no build has seen, for the live gallery's tests: face_recognition's own test images, from its pinned sdist
+# (license not stated: used in tests only, never put in an artifact — shared/facts/face-models.md).
+SITE_PHOTOS = ("face_recognition==1.3.0", "face_recognition-1.3.0.tar.gz",
+               "5e5efdd1686aa566af0d3cc1313b131e4b197657a8ffd03669e6d3fad92705ec",
+               {"obama.jpg": "0930e3aa8cae5920329c0c8cbc6a2ab70f47b0e67b432875beaa95cbf7e741f6",
+                "obama2.jpg": "a7efcc907375274796f39646510704aa86672d59f6d5469d69af3c85590976a6",
+                "obama3.jpg": "76ac6bf97c36dc2da0ad16a537d6a5ac1b10f48d49aac29a0cca9a17cdbc3ca3",
+                "biden.jpg": "3c17508bb91554c637a2eabddfae790e5bb1caba93130814fc2ac50be9760c4c"})
+
+
+@pytest.fixture(scope="session")
+def site_photos(tmp_path_factory) -> Path:
+    """A folder of photos outside data.photos (three of Barack Obama, one of Joe Biden), each sha256-pinned, fetched
+    as the assets are (pip, the Kiln archive cache)."""
+    from pipeline import assets
+
+    requirement, filename, sha, files = SITE_PHOTOS
+    archive = assets.Archive("site-photos", requirement, filename, sha, True, "not stated (tests only)",
+                             tuple(assets.Member(f"face_recognition-1.3.0/tests/test_images/{n}", n, h)
+                                   for n, h in files.items()))
+    root = tmp_path_factory.mktemp("site-photos")
+    assets.materialize(root, (archive,), progress=lambda _: None)
+    return root
+
+
 @pytest.fixture(scope="session")
 def assets_dir(tmp_path_factory, cfg) -> Path:
     """The repository's artifacts/assets when it verifies, else a fresh fetch (PyPI or the Kiln archive cache)."""

@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kiln_runtime.signature import (load_public_key, one_line, read_key, signed_name,  # noqa: F401  (re-exported)
-                                    verify_tree)
+from kiln_runtime.signature import (load_private_key, load_public_key, one_line, public_pem,  # noqa: F401
+                                    read_key, sign_statement, signed_name, verify_tree)     # (re-exported)
 from pipeline.errors import KilnError
 
 KEY_ENV = "KILN_SIGNING_KEY"
@@ -83,53 +83,6 @@ def keygen(private: Path) -> tuple[Path, Path]:
 
 
 # ---------------------------------------------------------------------------------------------- signing
-def load_private_key(path: Path):
-    """The publisher's EC P-256 private key (cryptography's EllipticCurvePrivateKey), or one KilnError."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    hint = "use a key made by `kiln keygen` (EC P-256, PEM, unencrypted)"
-    try:
-        key = serialization.load_pem_private_key(read_key(Path(path), "signing key", hint), None)
-    except (ValueError, TypeError) as e:
-        raise KilnError(f"{path}: not a usable signing key ({str(e)[:200]})", hint) from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name != "secp256r1":
-        kind = key.curve.name if isinstance(key, ec.EllipticCurvePrivateKey) else \
-            type(key).__name__.removesuffix("PrivateKey")                # RSA, Ed25519, DSA, ...
-        raise KilnError(f"{path}: a {kind} key; kiln signs with EC P-256 keys", "make one with `kiln keygen --out "
-                        "PATH`")
-    return key
-
-
-def public_pem(key) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-
-
-def sign_statement(payload: bytes, private_key: Path) -> bytes:
-    """A signed document other than a release tree (a channel statement, kiln_runtime/channels.py) in the release
-    signing format: a sigstore bundle whose DSSE envelope carries `payload` (an in-toto statement), ECDSA P-256 with
-    RFC 6979 nonces — the same bytes for the same statement. kiln_runtime/signature.py `verify_envelope` reads it."""
-    import base64
-    import hashlib
-    import json
-
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    from kiln_runtime.signature import BUNDLE_MEDIA_TYPE, PAYLOAD_TYPE, pae
-
-    key = load_private_key(Path(private_key))
-    sig = key.sign(pae(payload), ec.ECDSA(hashes.SHA256(), deterministic_signing=True))
-    bundle = {"mediaType": BUNDLE_MEDIA_TYPE,
-              "verificationMaterial": {"publicKey": {"hint": hashlib.sha256(public_pem(key)).hexdigest()},
-                                       "tlogEntries": []},
-              "dsseEnvelope": {"payload": base64.b64encode(payload).decode("ascii"), "payloadType": PAYLOAD_TYPE,
-                               "signatures": [{"sig": base64.b64encode(sig).decode("ascii"), "keyid": ""}]}}
-    return json.dumps(bundle, sort_keys=True, separators=(",", ":")).encode("ascii")
-
-
 def _hashing():
     """What model-signing hashes: every file, sha256, no symlinks, nothing ignored (not even .git paths)."""
     from model_signing import hashing

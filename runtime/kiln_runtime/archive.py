@@ -1,7 +1,8 @@
-"""The release archive reader: a strict one-pass tar.gz reader that extracts what Kiln's writer makes and refuses
-everything else. It lives in the runtime because the deployment host reads a release before it trusts anything in
-it, without Kiln's build stack; the deterministic writer stays with the build (pipeline/release/archive.py, which
-re-exports this reader so the build verifies with the same code).
+"""Release archives: the deterministic tar.gz writer (`write_archive`) and a strict one-pass reader (`safe_extract`)
+that extracts what the writer makes and refuses everything else. Both live in the runtime because a deployment host
+reads a release before it trusts anything in it, without Kiln's build stack, and writes signed gallery snapshots
+(kiln_runtime/gallery.py) in the same format; the build re-exports them (pipeline/release/archive.py), so one
+implementation writes and reads every archive.
 
 The reader and GNU tar must never disagree: Python's tarfile stops quietly at a header with a bad checksum while
 `tar -xzf` skips it and extracts what follows, and `gzip -d` goes on to a second gzip member or past trailing
@@ -13,13 +14,16 @@ length, padding) before reading what it bounds (tests/test_reliability_release.p
 from __future__ import annotations
 
 import errno
+import gzip
+import os
 import re
 import tarfile
+import tempfile
 import zlib
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
-from kiln_runtime.errors import GateFailed
+from kiln_runtime.errors import GateFailed, KilnError
 
 MAX_MEMBERS, MAX_BYTES = 10_000, 8 << 30         # members (files + directories) and file bytes in one archive
 MAX_NAME = 4096                                   # bytes of one member name
@@ -203,3 +207,55 @@ def safe_extract(archive: Path, dest: Path, top_file_max: int = MAX_BYTES) -> No
         if d not in held:
             raise GateFailed(f"{archive}: directory {d[:200]!r} holds no file (unsigned content)",
                              "do not use this archive")
+
+
+# ---------------------------------------------------------------------------------------------- the writer
+def write_archive(dest: Path, top: Path, entries: list[str]) -> str:
+    """tar.gz of `entries` (paths relative to `top`; directories recurse), byte-for-byte deterministic (sorted
+    names, no times, owners or modes of the host). Returns its sha256. Written to a temporary sibling, fsynced and
+    renamed: a killed writer leaves nothing that looks finished (and its leftovers are removed by the next writer).
+    A link is refused."""
+    import hashlib
+
+    from kiln_runtime.files import clear_dead_temps
+
+    dest = Path(dest)
+    names: list[Path] = []
+    for e in entries:
+        p = top / e
+        names.append(p)
+        if p.is_dir():
+            names.extend(p.rglob("*"))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    clear_dead_temps(dest)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            for p in sorted(names, key=lambda q: q.relative_to(top).as_posix()):
+                if p.is_symlink():
+                    raise KilnError(f"{p}: a link cannot go into a release", "release regular files only")
+                info = tarfile.TarInfo(p.relative_to(top).as_posix())
+                info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+                if p.is_dir():
+                    info.type, info.mode = tarfile.DIRTYPE, 0o755
+                    tar.addfile(info)
+                else:
+                    info.size, info.mode = p.stat().st_size, 0o644
+                    with open(p, "rb") as f:
+                        tar.addfile(info, f)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+            h = hashlib.sha256()
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)                  # mkstemp creates 0600: the file's usual permissions
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return h.hexdigest()

@@ -7,6 +7,8 @@
     kiln-run serve    ARCHIVE --key K.pub --port N     the HTTP service (kiln_runtime/serve.py)
     kiln-run pull     REF --key K.pub --out DIR        fetch a release from an OCI registry by tag or digest, check
                                                        every digest, verify it, and only then place it in DIR
+    kiln-run gallery  COMMAND STORE …                  the live gallery: init, enrol, list, delete, erase, verify,
+                                                       audit, snapshot, restore (kiln_runtime/gallery_cli.py)
 
 Each command that takes ARCHIVE takes an OCI reference too (HOST[:PORT]/PATH/NAME:TAG or …@sha256:DIGEST): pulled and
 verified into a private temporary folder first (kiln_runtime/oci.py).
@@ -67,8 +69,9 @@ def print_identities(system: System, rgbs: list[tuple[str, np.ndarray]], out: Ca
         out(f"{name}: {len(matches)} face{'s' if len(matches) > 1 else ''}{note}")
         for i, m in enumerate(matches):
             box = ", ".join(f"{v:.0f}" for v in m.box)
+            near = f"nearest {shown(m.nearest, 64)}, {m.metric} {m.distance:.3f}" if m.nearest else "gallery empty"
             out(f"  face {i + 1}: box [{box}] score {m.score:.3f} → {shown(m.identity, 64)} "     # a file's labels
-                f"(nearest {shown(m.nearest, 64)}, {m.metric} {m.distance:.3f}; same person when {rule})")
+                f"({near}; same person when {rule})")
     return 1 if missing else 0
 
 
@@ -106,6 +109,12 @@ def cmd_identify(args) -> int:
     rgbs = _photos(args.photos)                       # a bad photo is refused before anything is extracted
     with _source(args) as archive, release.verified(archive, Path(args.key)) as (tree, checked):
         d = release.load(tree, checked)
+        if args.gallery:                                # the live gallery's people, not the release's
+            from kiln_runtime import gallery as g
+
+            live = g.Live(Path(args.gallery), g.binding_of(tree))
+            d.system.gallery = live.gallery()
+            live.store.close()
         if args.json:                                  # JSON escapes every control character itself
             for path, rgb in rgbs:
                 print(json.dumps({"photo": path, **answer(d.system.identify(rgb), d.name, d.version, rgb.shape[:2])},
@@ -126,12 +135,41 @@ def cmd_serve(args) -> int:
         raise KilnError(f"--workers {args.workers} on a host with {cores} core(s): each worker runs the whole system "
                         "with its own engines, so more workers than cores only queue for the CPU and memory",
                         f"pass --workers {cores} or fewer (0: one per core)")
+    token = _token(args.token_file) if args.gallery else None
+    if args.auth_reads and token is None:
+        raise KilnError("--auth-reads needs a token to check reads against",
+                        "pass --token-file FILE (or set KILN_GALLERY_TOKEN) with --gallery STORE")
     settings = Settings(args.host, args.port, args.workers or cores, args.max_batch, args.queue, args.max_bytes,
                         args.max_pixels, args.request_timeout, Bounds(args.header_timeout, args.body_timeout,
                                                                       args.max_connections, args.keep_alive),
-                        args.drain_delay, args.graceful_timeout)
+                        args.drain_delay, args.graceful_timeout, Path(args.gallery) if args.gallery else None, token,
+                        args.auth_reads)
     with _source(args) as archive:
         return serve(archive, Path(args.key), settings)
+
+
+TOKEN_ENV = "KILN_GALLERY_TOKEN"
+
+
+def _token(path: str | None) -> bytes | None:
+    """The bearer token gallery writes need: the first line of --token-file (a regular file of at most 4 KiB), else
+    $KILN_GALLERY_TOKEN; None when neither is given (writes are then refused). Never printed."""
+    from kiln_runtime.files import open_regular
+
+    if path:
+        with open_regular(Path(path), "pass a file holding the token on its first line") as f:
+            raw = f.read(4097)
+        if len(raw) > 4096:
+            raise KilnError(f"{path}: more than 4 KiB; a token file holds one line", "put the token alone in it")
+        text = raw.decode("utf-8", "replace").splitlines()[0].strip() if raw.strip() else ""
+    else:
+        text = os.environ.get(TOKEN_ENV, "").strip()
+        if not text:
+            return None
+    if len(text) < 16:
+        raise KilnError(f"the gallery token ({'--token-file' if path else TOKEN_ENV}) is shorter than 16 characters",
+                        "use a long random one, e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return text.encode()
 
 
 def cmd_pull(args) -> int:
@@ -330,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     release_args(p)
     p.add_argument("photos", nargs="+", metavar="PHOTO", help="image files (JPEG, PNG, BMP, WebP)")
     p.add_argument("--json", action="store_true", help="one JSON answer per photo (as POST /v1/identify gives it)")
+    p.add_argument("--gallery", metavar="STORE", help="identify against a live gallery store (bound to this "
+                   "release's embedder) instead of the release's own gallery")
     p.set_defaults(func=cmd_identify)
 
     p = sub.add_parser("bench", help="the sustained-load sweep on this host against the release itself")
@@ -380,7 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "--graceful-timeout minus 10)")
     p.add_argument("--graceful-timeout", type=_positive(float, 0, 3600), default=30.0, metavar="S",
                    help="then requests in flight get at most S seconds to finish (30)")
+    p.add_argument("--gallery", metavar="STORE", help="a live gallery store (SQLite; made from the release's own "
+                   "gallery if missing): enrol, erase, verify over /v1/subjects, identify against it")
+    p.add_argument("--token-file", metavar="FILE", help=f"the bearer token gallery writes need (else ${TOKEN_ENV}; "
+                   "with neither, writes are refused)")
+    p.add_argument("--auth-reads", action="store_true", help="gallery reads and identify need the token too")
     p.set_defaults(func=cmd_serve)
+
+    from kiln_runtime.gallery_cli import add_parser
+
+    add_parser(sub)
 
     p = sub.add_parser("pull", help="fetch a release from an OCI registry, check every digest, verify it, place it")
     p.add_argument("ref", metavar="REF", help="HOST[:PORT]/PATH/NAME:TAG or HOST[:PORT]/PATH/NAME@sha256:DIGEST (NAME "

@@ -64,6 +64,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def clear_dead_temps(dest: Path) -> None:
+    """Remove temporary siblings `.<name>.<pid>.*.tmp` of `dest` left by a writer that was killed."""
+    for old in Path(dest).parent.glob(f".{Path(dest).name}.*.tmp"):
+        parts = old.name[len(Path(dest).name) + 2:].split(".")
+        if parts and parts[0].isdigit() and int(parts[0]) != os.getpid() and not _alive(int(parts[0])):
+            old.unlink(missing_ok=True)
+
+
 def sweep_stale(folder: Path | None = None) -> list[Path]:
     """Remove the scratch folders (`scratch`, and engines' private copies) in the temporary folder whose owning
     process is gone — a `kiln-run serve` or a worker killed by SIGKILL cannot remove them itself. Only folders of this

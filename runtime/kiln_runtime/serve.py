@@ -54,7 +54,7 @@ from kiln_runtime.connections import CUT, Bounds
 from kiln_runtime.errors import KilnError
 from kiln_runtime.images import WIRE_MAX_PIXELS
 from kiln_runtime.system import STAGES, Match
-from kiln_runtime.workers import BadImage, NoWorker, Options, Pool, TooSlow, WorkerDied
+from kiln_runtime.workers import IDENTIFY, BadImage, Done, NoWorker, Options, Pool, TooSlow, WorkerDied
 
 MAX_BYTES = 20 << 20            # one request body: a 4096-side JPEG is a few MB
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -74,6 +74,9 @@ class Settings:
     bounds: Bounds = Bounds()
     drain_delay_s: float = 5.0
     graceful_timeout_s: float = 30.0
+    gallery: Path | None = None              # a live gallery store (made from the release's gallery if missing)
+    token: bytes | None = None               # the bearer token gallery writes need (None: writes refused)
+    auth_reads: bool = False                 # gallery reads and identify need it too
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -83,7 +86,8 @@ def answer(matches: list[Match], release: str, version: int, size: tuple[int, in
             "faces": [{"box": [round(float(v), 2) for v in m.box], "score": round(float(m.score), 5),
                        "landmarks": [] if m.landmarks is None else
                        [[round(float(x), 2), round(float(y), 2)] for x, y in np.asarray(m.landmarks)],
-                       "identity": m.identity, "nearest": m.nearest, "distance": round(float(m.distance), 6),
+                       "identity": m.identity, "nearest": m.nearest or None,
+                       "distance": None if m.distance != m.distance else round(float(m.distance), 6),   # NaN: none
                        "metric": m.metric} for m in matches]}
 
 
@@ -124,6 +128,11 @@ class Metrics:
         self.frames = self.faces = self.batches = 0
         self.inflight = 0
         self.worker_cpu = 0.0
+        self.gallery_writes: dict[str, int] = {}
+
+    def gallery_write(self, op: str) -> None:
+        with self.lock:
+            self.gallery_writes[op] = self.gallery_writes.get(op, 0) + 1
 
     def count(self, status: int, reason: str | None = None) -> None:
         with self.lock:
@@ -148,6 +157,16 @@ class Metrics:
 
     def text(self, service: "Service", connections: int) -> str:
         pool, info = service.pool, service.info
+        gallery: list[str] = []
+        if service.store is not None:
+            with service.store_lock:
+                version, (subjects, faces) = service.store.version(), service.store.counts()
+            gallery = [*_family("kiln_gallery_version", "gauge", "The live gallery's version (its last event).",
+                                f"kiln_gallery_version {version}"),
+                       *_family("kiln_gallery_subjects", "gauge", "Subjects in the live gallery.",
+                                f"kiln_gallery_subjects {subjects}"),
+                       *_family("kiln_gallery_faces", "gauge", "Faces in the live gallery.",
+                                f"kiln_gallery_faces {faces}")]
         with self.lock:
             out = [*_family("kiln_release_info", "gauge", "The system release served.",
                             f'kiln_release_info{{system="{info.name}",version="{info.version}"}} 1'),
@@ -183,6 +202,10 @@ class Metrics:
                             "body_timeout, evicted (room for a new one at the limit), refused.",
                             *(f'kiln_connection_events_total{{event="{e}"}} {n}'
                               for e, n in sorted(self.connection_events.items()))),
+                   *gallery,
+                   *_family("kiln_gallery_writes_total", "counter", "Gallery writes acknowledged, by operation.",
+                            *(f'kiln_gallery_writes_total{{op="{o}"}} {n}'
+                              for o, n in sorted(self.gallery_writes.items()))),
                    *_family("process_cpu_seconds_total", "counter", "CPU time of the service: this process and its "
                             "workers' batches.",
                             f"process_cpu_seconds_total {time.process_time() + self.worker_cpu:.6f}")]
@@ -218,8 +241,10 @@ def release_info(tree: Path, archive: Path) -> ReleaseInfo:
 
 
 class Service:
-    def __init__(self, pool: Pool, info: ReleaseInfo, metrics: Metrics) -> None:
+    def __init__(self, pool: Pool, info: ReleaseInfo, metrics: Metrics, store=None, policy=None) -> None:
         self.pool, self.info, self.metrics = pool, info, metrics
+        self.store, self.policy = store, policy          # a live gallery (kiln_runtime/gallery.py), or None
+        self.store_lock = threading.Lock()
         self.draining = False
 
     def is_ready(self) -> bool:
@@ -246,52 +271,75 @@ def app(service: Service, settings: Settings, live: dict):
         m.count(status, reason)
         return reply({"error": error, "hint": hint}, status, **headers)
 
+    async def read_body(request: Request):
+        """The request's body (bytes), or the Response refusing it: too large, empty, or its client gone."""
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > max_bytes):
+            return refuse(413, "too_large", f"request body of {size[:20]} bytes; the limit is {max_bytes}",
+                          too_large_hint, Connection="close")
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    return refuse(413, "too_large", f"request body over {max_bytes} bytes", too_large_hint,
+                                  Connection="close")
+        except ClientDisconnect:         # hung up mid-body — or cut by a bound (counted as that event)
+            if request.scope.get("state", {}).get(CUT) is None:
+                print(f"kiln-run: a client hung up after {len(body)} byte(s) of its request body",
+                      file=sys.stderr, flush=True)
+                m.count(499, "client_disconnected")
+            return Response(status_code=499)          # nobody reads it: the connection is gone
+        if not body:
+            return refuse(400, "bad_image", "empty request body", "POST the image's bytes as the body")
+        return bytes(body)
+
+    async def run_frame(body: bytes, kind: str = IDENTIFY):
+        """One frame through the workers: their answer (workers.Done), or the Response refusing it."""
+        try:
+            done = pool.submit(body, kind)
+        except queue.Full:
+            return refuse(503, "overloaded", f"{pool.limit} frames are already in the service",
+                          "retry shortly, or add replicas", **{"Retry-After": "1"})
+        except NoWorker as e:
+            return refuse(503, "no_worker", e.message, e.hint, **{"Retry-After": "1"})
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), settings.request_timeout_s)
+        except BadImage as e:
+            return refuse(413, "too_large", e.message, e.hint) if e.too_large else \
+                refuse(400, "bad_image", e.message, e.hint)
+        except WorkerDied as e:
+            return refuse(503, "worker_died", e.message, e.hint, **{"Retry-After": "1"})
+        except (TooSlow, asyncio.TimeoutError) as e:
+            msg = e.message if isinstance(e, TooSlow) else \
+                f"no answer within the service's bound of {settings.request_timeout_s:g} s"
+            return refuse(504, "timeout", msg, "send a smaller image, retry, or raise --request-timeout")
+        except KilnError as e:
+            return refuse(500, "engine", e.message, e.hint)
+        except Exception as e:  # noqa: BLE001 — one line, no trace; the service keeps serving
+            return refuse(500, "internal", f"{type(e).__name__}: {str(e)[:200]}", "see the service's log")
+
+    gctx = None
+    if service.store is not None:
+        from kiln_runtime import gallery_api
+
+        gctx = gallery_api.Context(service.store, service.store_lock, service.policy,
+                                   gallery_api.Access(settings.token, settings.auth_reads), read_body, run_frame,
+                                   reply, refuse, m.gallery_write)
+
     async def identify(request: Request) -> Response:
         t0 = time.perf_counter()
         with m.lock:
             m.inflight += 1
         try:
-            size = request.headers.get("content-length")
-            if size is not None and (not size.isdigit() or int(size) > max_bytes):
-                return refuse(413, "too_large", f"request body of {size[:20]} bytes; the limit is {max_bytes}",
-                              too_large_hint, Connection="close")
-            body = bytearray()
-            try:
-                async for chunk in request.stream():
-                    body += chunk
-                    if len(body) > max_bytes:
-                        return refuse(413, "too_large", f"request body over {max_bytes} bytes", too_large_hint,
-                                      Connection="close")
-            except ClientDisconnect:         # hung up mid-body — or cut by a bound (counted as that event)
-                if request.scope.get("state", {}).get(CUT) is None:
-                    print(f"kiln-run: a client hung up after {len(body)} byte(s) of its request body",
-                          file=sys.stderr, flush=True)
-                    m.count(499, "client_disconnected")
-                return Response(status_code=499)          # nobody reads it: the connection is gone
-            if not body:
-                return refuse(400, "bad_image", "empty request body", "POST the image's bytes as the body")
-            try:
-                done = pool.submit(bytes(body))
-            except queue.Full:
-                return refuse(503, "overloaded", f"{pool.limit} frames are already in the service",
-                              "retry shortly, or add replicas", **{"Retry-After": "1"})
-            except NoWorker as e:
-                return refuse(503, "no_worker", e.message, e.hint, **{"Retry-After": "1"})
-            try:
-                got = await asyncio.wait_for(asyncio.wrap_future(done), settings.request_timeout_s)
-            except BadImage as e:
-                return refuse(413, "too_large", e.message, e.hint) if e.too_large else \
-                    refuse(400, "bad_image", e.message, e.hint)
-            except WorkerDied as e:
-                return refuse(503, "worker_died", e.message, e.hint, **{"Retry-After": "1"})
-            except (TooSlow, asyncio.TimeoutError) as e:
-                msg = e.message if isinstance(e, TooSlow) else \
-                    f"no answer within the service's bound of {settings.request_timeout_s:g} s"
-                return refuse(504, "timeout", msg, "send a smaller image, retry, or raise --request-timeout")
-            except KilnError as e:
-                return refuse(500, "engine", e.message, e.hint)
-            except Exception as e:  # noqa: BLE001 — one line, no trace; the service keeps serving
-                return refuse(500, "internal", f"{type(e).__name__}: {str(e)[:200]}", "see the service's log")
+            if gctx is not None and (no := gallery_api.refused(gctx, request, False)) is not None:
+                return no
+            body = await read_body(request)
+            if not isinstance(body, bytes):
+                return body
+            got = await run_frame(body)
+            if not isinstance(got, Done):
+                return got
             doc = answer(got.found, info.name, info.version, got.shape)
             doc["timings_ms"] = {s: round(v, 3) for s, v in got.share.items()}
             m.count(200)
@@ -362,6 +410,8 @@ def app(service: Service, settings: Settings, live: dict):
               Route("/v2/models/{name}", model_meta), Route("/v2/models/{name}/ready", model_ready),
               Route("/v2/models/{name}/versions/{version}", model_meta),
               Route("/v2/models/{name}/versions/{version}/ready", model_ready)]
+    if gctx is not None:
+        routes += gallery_api.routes(gctx)
     return Starlette(routes=routes)
 
 
@@ -393,10 +443,19 @@ def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
     live: dict = {}
     with release.verified(archive, key) as (tree, checked), _listening(host, settings.port) as sock:
         info = release_info(tree, archive)            # refused here, in one line, before any worker starts
+        store = None if settings.gallery is None else open_gallery(settings.gallery, tree, info, say)
         threads = max(1, _cores() // settings.workers)
-        pool = Pool(Options(str(tree), settings.workers, threads, settings.max_batch, settings.request_timeout_s,
-                            settings.max_pixels), settings.queue, metrics.batch)
-        service = Service(pool, info, metrics)
+        try:
+            pool = Pool(Options(str(tree), settings.workers, threads, settings.max_batch, settings.request_timeout_s,
+                                settings.max_pixels, None if store is None else str(store.path)), settings.queue,
+                        metrics.batch)
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
+        from kiln_runtime.enrolment import policy
+
+        service = Service(pool, info, metrics, store, policy(release.layout(tree).spec) if store else None)
         everywhere = _is_ip(host) and ipaddress.ip_address(host).is_unspecified
         url = f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
         say(f"kiln-run: {info.name} v{info.version} verified ({len(checked)} checks) and warmed: {settings.workers} "
@@ -436,8 +495,36 @@ def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)    # already stopping, within a bound: exit 0, not 143
             pool.stop()
+            if store is not None:
+                store.close()
     say(f"kiln-run: drained ({metrics.frames} frames served); bye", flush=True)
     return 0
+
+
+def open_gallery(path: Path, tree: Path, info: ReleaseInfo, say=print):
+    """The live gallery store at `path`, bound to this release's embedder (refused in one line otherwise); made from
+    the release's own gallery when it does not exist yet, so a release's people are the store's first."""
+    import numpy as np
+
+    from kiln_runtime import gallery as g
+    from kiln_runtime.release import EMBEDDINGS, GALLERY_DIR, LABELS
+
+    binding = g.binding_of(tree)
+    path = Path(path)
+    if not path.exists():
+        emb = np.array(np.load(tree / GALLERY_DIR / EMBEDDINGS, allow_pickle=False, mmap_mode="r"))
+        labels = json.loads((tree / GALLERY_DIR / LABELS).read_bytes())
+        store = g.create(path, binding, "kiln-run serve", f"a new gallery for {info.name} v{info.version}",
+                         (emb, labels), f"{info.name} v{info.version}'s build gallery")
+        say(f"kiln-run: gallery {path} made from {info.name} v{info.version}'s build gallery ({len(labels)} faces, "
+            f"bound to {binding.embedder} {binding.embedder_xxh3_128[:12]})", flush=True)
+        return store
+    store = g.Store(path)
+    try:
+        return store.bound_to(binding, f"{info.name} v{info.version}")
+    except BaseException:
+        store.close()
+        raise
 
 
 def _is_ip(host: str) -> bool:

@@ -19,6 +19,11 @@ whose sha256 is the sha256 of every resource's raw digest bytes in the order lis
 `serialization` {method files, hash_type sha256, allow_symlinks false} and `resources`: one {name, algorithm sha256,
 digest hex} per regular file, named by its path relative to the tree.
 
+Signing a document or a tree in this format without model-signing (`sign_statement`, `sign_tree`) is here too: a
+deployment host signs its gallery snapshots (kiln_runtime/gallery.py) and the build its channel statements with it;
+the build signs releases with model-signing's own signer (pipeline/release/signing.py), and tests/runtime/
+test_signature.py checks that model-signing's verifier accepts what `sign_tree` makes.
+
 `verify_tree` checks all of it, then the tree: every regular file's sha256 is the signed one, no file added or
 missing, no symbolic link, FIFO or device anywhere (empty directories carry no content and are not signed). It is
 stricter than model-signing's verifier where Kiln never writes otherwise: one signature, exactly that serialization,
@@ -89,6 +94,31 @@ def load_public_key(path: Path):
         raise KilnError(f"{path}: an EC key on curve {key.curve.name}; a release is signed with P-256 (P-384 and "
                         "P-521 are read too)", "pass the .pub written by kiln keygen")
     return key
+
+
+def load_private_key(path: Path):
+    """The publisher's EC P-256 private key (cryptography's EllipticCurvePrivateKey), or one KilnError."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    hint = "use a key made by `kiln keygen` (EC P-256, PEM, unencrypted)"
+    try:
+        key = serialization.load_pem_private_key(read_key(Path(path), "signing key", hint), None)
+    except (ValueError, TypeError) as e:
+        raise KilnError(f"{shown(path, 300)}: not a usable signing key ({one_line(str(e), 200)})", hint) from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or key.curve.name != "secp256r1":
+        kind = key.curve.name if isinstance(key, ec.EllipticCurvePrivateKey) else \
+            type(key).__name__.removesuffix("PrivateKey")                # RSA, Ed25519, DSA, ...
+        raise KilnError(f"{shown(path, 300)}: a {kind} key; kiln signs with EC P-256 keys", "make one with `kiln "
+                        "keygen --out PATH`")
+    return key
+
+
+def public_pem(key) -> bytes:
+    """The SubjectPublicKeyInfo PEM of a private key's public half (its sha256 is a bundle's key hint)."""
+    from cryptography.hazmat.primitives import serialization
+
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 # ---------------------------------------------------------------------------------------------- the bundle
@@ -326,6 +356,49 @@ def verify_tree(tree: Path, signature: Path, public_key: Path) -> None:
         diffs = ([f"Extra files found in model '{model}': {_listed(extra)}"] if extra else []) + \
             ([f"Missing files in model '{model}': {_listed(missing)}"] if missing else [])
         raise GateFailed(f"signed content: Signature mismatch: {'; '.join(diffs)}", HINT)
+
+
+def sign_statement(payload: bytes, private_key: Path) -> bytes:
+    """A bundle in the release signing format whose DSSE envelope carries `payload` (an in-toto statement), ECDSA
+    P-256 with RFC 6979 nonces — the same bytes for the same statement. `verify_envelope` (and `verify_tree`, for a
+    tree's statement) reads it."""
+    import base64
+
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = load_private_key(Path(private_key))
+    sig = key.sign(pae(payload), ec.ECDSA(hashes.SHA256(), deterministic_signing=True))
+    bundle = {"mediaType": BUNDLE_MEDIA_TYPE,
+              "verificationMaterial": {"publicKey": {"hint": hashlib.sha256(public_pem(key)).hexdigest()},
+                                       "tlogEntries": []},
+              "dsseEnvelope": {"payload": base64.b64encode(payload).decode("ascii"), "payloadType": PAYLOAD_TYPE,
+                               "signatures": [{"sig": base64.b64encode(sig).decode("ascii"), "keyid": ""}]}}
+    return json.dumps(bundle, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def tree_statement(tree: Path) -> bytes:
+    """The statement model-signing makes of a tree (every regular file, sha256, no links, none ignored): what
+    `verify_tree` checks. Canonical JSON: the same tree, the same bytes."""
+    tree = Path(tree)
+    names = _tree_files(tree)
+    resources = [{"name": n, "algorithm": "sha256", "digest": _sha256(tree / n, n)} for n in names]
+    root = hashlib.sha256(b"".join(bytes.fromhex(r["digest"]) for r in resources)).hexdigest()
+    doc = {"_type": STATEMENT_TYPE, "subject": [{"name": tree.name, "digest": {"sha256": root}}],
+           "predicateType": PREDICATE_TYPE, "predicate": {"serialization": SERIALIZATION, "resources": resources}}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def sign_tree(tree: Path, signature: Path, private_key: Path) -> None:
+    """Sign directory `tree` in the release signing format with `cryptography` alone (a deployment host has no
+    model-signing): `signature` written whole (a temporary sibling, then a rename)."""
+    bundle = sign_statement(tree_statement(tree), private_key)
+    tmp = Path(signature).with_name(f".{Path(signature).name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(bundle)
+        os.replace(tmp, signature)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def verify_envelope(data: bytes, public_key: Path, what: str, hint: str = HINT,

@@ -189,17 +189,35 @@ def chips(spec: Spec, warp: Callable | None, rgb: np.ndarray, faces: list, timin
     return _timed(timings, "align", made)
 
 
+BRUTE_FORCE_ROWS = 4096       # above this many gallery rows, distances come from one matrix product (below)
+
+
 def nearest(spec: Spec, gallery: np.ndarray, names: list[str], emb: np.ndarray,
             exclude: int | None = None) -> list[tuple[str, float]]:
     """Nearest gallery identity and distance per embedding, brute force in the system's metric (cosine similarity
-    for a cosine model); `exclude` drops one gallery row (leave-one-out checks)."""
-    keep = np.arange(len(names)) != (-1 if exclude is None else exclude)
-    who = [n for n, k in zip(names, keep) if k]
-    gal_m, _ = as_l2(gallery[keep], spec.threshold, spec.metric)
+    for a cosine model); `exclude` drops one gallery row (leave-one-out checks). Up to BRUTE_FORCE_ROWS rows (every
+    release's own gallery) the distances are computed pairwise, as the gates computed them; above (a live gallery of
+    thousands) from |g|² − 2 g·q + |q|² in one matrix product, without copying the gallery — the same nearest row,
+    its distance equal to float32 rounding."""
+    if exclude is None:
+        rows, who = gallery, names
+    else:
+        keep = np.arange(len(names)) != exclude
+        rows, who = gallery[keep], [n for n, k in zip(names, keep) if k]
+    if not who:                         # an empty gallery (a live one, before anyone is enrolled): nobody is near
+        return [("", float("nan"))] * len(emb)
+    gal_m, _ = as_l2(rows, spec.threshold, spec.metric)
     q_m, _ = as_l2(emb, spec.threshold, spec.metric)
-    d = np.linalg.norm(gal_m[None] - q_m[:, None], axis=2)      # (queries, gallery)
-    j = np.argmin(d, axis=1)
-    found = [(who[int(k)], float(d[i, k])) for i, k in enumerate(j)]
+    if len(who) <= BRUTE_FORCE_ROWS:
+        d = np.linalg.norm(gal_m[None] - q_m[:, None], axis=2)      # (queries, gallery)
+        j = np.argmin(d, axis=1)
+        dist = d[np.arange(len(j)), j]
+    else:
+        q = np.asarray(q_m, np.float32)
+        d2 = np.einsum("ij,ij->i", gal_m, gal_m)[None] - 2.0 * (q @ gal_m.T)      # |q|² added below: same argmin
+        j = np.argmin(d2, axis=1)
+        dist = np.sqrt(np.maximum(d2[np.arange(len(j)), j] + np.einsum("ij,ij->i", q, q), 0.0))
+    found = [(who[int(k)], float(v)) for k, v in zip(j, dist)]
     if spec.metric == "cosine":         # report the similarity the model's threshold is written in
         found = [(n, 1.0 - dist * dist / 2.0) for n, dist in found]
     return found

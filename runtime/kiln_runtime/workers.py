@@ -26,13 +26,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from kiln_runtime.errors import KilnError
+from kiln_runtime.errors import KilnError, deferred_signals
 from kiln_runtime.images import MAX_PIXELS
 
 READY_TIMEOUT_S = 120.0          # load + warm of one worker
@@ -68,14 +68,20 @@ class Options:
     max_batch: int
     batch_timeout_s: float       # a batch in a worker past this: the worker is killed and replaced
     max_pixels: int = MAX_PIXELS
+    gallery: str | None = None   # a live gallery store (kiln_runtime/gallery.py) instead of the release's own
+
+
+IDENTIFY, FACES = "identify", "faces"     # a job's kind: who is in the frame, or its faces to enrol or verify
 
 
 @dataclass
 class Done:
-    """One frame's answer: the faces, the batch's per-stage ms shared per frame, the image's (height, width)."""
+    """One frame's answer: the faces, the batch's per-stage ms shared per frame, the image's (height, width); for a
+    FACES job, each face's crop (PNG) and landmarks in the crop (kiln_runtime/enrolment.py)."""
     found: list
     share: dict[str, float]
     shape: tuple[int, int]
+    crops: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- the worker process
@@ -92,15 +98,20 @@ def warm(system) -> None:
     system.identify_frames([np.full((120, 160, 3), 127, np.uint8)], {})
 
 
-def run_batch(system, batch: list[tuple[int, bytes]], max_pixels: int) -> tuple:
+def run_batch(system, batch: list[tuple[int, str, bytes]], max_pixels: int, live=None) -> tuple:
     """("batch", [(id, message, hint, past the pixel cap) of bodies that are no image], failure (ids, message, hint)
-    or None, (ids, faces per frame, shapes, per-stage ms, CPU s) or None) — decoded here, beside the system: the
-    bytes cross the pipe, not the pixels."""
+    or None, (ids, faces per frame, shapes, per-stage ms, CPU s) or None, {id: [(crop PNG, landmarks)] of FACES
+    jobs}) — decoded here, beside the system: the bytes cross the pipe, not the pixels. With a live gallery, the
+    search first catches up with the store: a write acknowledged before this batch was sent is in it."""
+    from kiln_runtime.enrolment import crop
     from kiln_runtime.images import TooLarge, decode_bytes
 
     cpu0, timings, frames, bad = time.process_time(), {}, [], []
+    if live is not None and live.refresh():
+        system.gallery = live.gallery()
+    kinds = {jid: kind for jid, kind, _ in batch}
     t0 = time.perf_counter()
-    for jid, body in batch:
+    for jid, _, body in batch:
         try:
             frames.append((jid, decode_bytes(body, "request body", max_pixels=max_pixels)))
         except KilnError as e:
@@ -110,28 +121,37 @@ def run_batch(system, batch: list[tuple[int, bytes]], max_pixels: int) -> tuple:
                         "WebP image", False))
     timings["decode"] = (time.perf_counter() - t0) * 1e3
     if not frames:
-        return "batch", bad, None, None
+        return "batch", bad, None, None, {}
     ids = [jid for jid, _ in frames]
     try:
         found = system.identify_frames([rgb for _, rgb in frames], timings)
+        crops = {jid: [crop(rgb, m.box, m.landmarks) for m in f] for (jid, rgb), f in zip(frames, found)
+                 if kinds[jid] == FACES}
     except KilnError as e:
-        return "batch", bad, (ids, e.message, e.hint), None
+        return "batch", bad, (ids, e.message, e.hint), None, {}
     except Exception as e:  # noqa: BLE001 — one failed batch is its requests' 500s; the service goes on
-        return "batch", bad, (ids, f"{type(e).__name__}: {str(e)[:200]}", "see the service's log"), None
+        return "batch", bad, (ids, f"{type(e).__name__}: {str(e)[:200]}", "see the service's log"), None, {}
     return "batch", bad, None, (ids, found, [rgb.shape[:2] for _, rgb in frames], timings,
-                                time.process_time() - cpu0)
+                                time.process_time() - cpu0), crops
 
 
-def _worker(tree: str, threads: int, max_pixels: int, conn) -> None:
-    """A worker process: load the verified tree's system (each engine verified again as it loads), warm it, say
-    ready, then answer each batch the server sends until it sends None or goes away (its end of the pipe closes, as
-    when the server is killed: nothing lingers as an orphan). SIGINT and SIGTERM are ignored: the server stops it."""
+def _worker(tree: str, threads: int, max_pixels: int, gallery: str | None, conn) -> None:
+    """A worker process: load the verified tree's system (each engine verified again as it loads; its gallery the
+    live store's when one is given), warm it, say ready, then answer each batch the server sends until it sends None
+    or goes away (its end of the pipe closes, as when the server is killed: nothing lingers as an orphan). SIGINT and
+    SIGTERM are ignored: the server stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from kiln_runtime import release
 
+    live = None
     try:
         system = release.load(Path(tree), threads=threads).system
+        if gallery is not None:
+            from kiln_runtime.gallery import Live, binding_of
+
+            live = Live(Path(gallery), binding_of(Path(tree)))
+            system.gallery = live.gallery()
         warm(system)
         conn.send(("ready", os.getpid(), None))
     except BaseException as e:  # noqa: BLE001 — the server reports it as one line
@@ -149,7 +169,7 @@ def _worker(tree: str, threads: int, max_pixels: int, conn) -> None:
             return
         try:
             conn.send(("took", len(batch)))          # from here on a death fails this batch; before, it is resent
-            conn.send(run_batch(system, batch, max_pixels))
+            conn.send(run_batch(system, batch, max_pixels, live))
         except OSError:
             return
 
@@ -158,6 +178,7 @@ def _worker(tree: str, threads: int, max_pixels: int, conn) -> None:
 @dataclass
 class Job:
     id: int
+    kind: str
     body: bytes
     future: concurrent.futures.Future
     tries: int = 0               # times a worker died before it took the job (it is sent to a replacement once)
@@ -189,12 +210,13 @@ class Slot:
             ctx = self.pool.ctx
             mine, theirs = ctx.Pipe(duplex=True)
             o = self.pool.options
-            self.proc = ctx.Process(target=_worker, args=(o.tree, o.threads, o.max_pixels, theirs), daemon=True,
-                                    name=f"kiln-worker-{self.index}")
-            try:
-                self.proc.start()
-            finally:
-                theirs.close()         # only the worker holds its end: its death is an EOF here
+            self.proc = ctx.Process(target=_worker, args=(o.tree, o.threads, o.max_pixels, o.gallery, theirs),
+                                    daemon=True, name=f"kiln-worker-{self.index}")
+            with deferred_signals():   # a SIGTERM mid-start would cut the child's start-up data (its traceback)
+                try:
+                    self.proc.start()
+                finally:
+                    theirs.close()     # only the worker holds its end: its death is an EOF here
             self.conn = mine
 
     def wait_ready(self, deadline: float) -> None:
@@ -279,7 +301,7 @@ class Slot:
         if not held:
             return []
         try:
-            self.conn.send([(j.id, j.body) for j in held])
+            self.conn.send([(j.id, j.kind, j.body) for j in held])
         except _GONE:                  # died before it took them: they never ran; a replacement runs them, once
             self._lost(f"died while idle ({_exit(self.proc.exitcode)})", [])
             return pool.retry(held)
@@ -400,7 +422,7 @@ class Pool:
         with self.lock:
             return self.pending
 
-    def submit(self, body: bytes) -> concurrent.futures.Future:
+    def submit(self, body: bytes, kind: str = IDENTIFY) -> concurrent.futures.Future:
         """Queue one frame (the image's bytes: a worker decodes them). The future: Done, or BadImage / WorkerDied /
         TooSlow / KilnError. queue.Full past the bound; NoWorker while no worker is ready."""
         if self.ready == 0:
@@ -411,7 +433,7 @@ class Pool:
                 raise queue.Full
             jid, self.next_id = self.next_id, self.next_id + 1
             self.pending += 1
-        self.jobs.put(Job(jid, body, fut))
+        self.jobs.put(Job(jid, kind, body, fut))
         return fut
 
     def release(self, jobs: list[Job]) -> None:
@@ -463,7 +485,7 @@ class Pool:
         self.release(jobs)
 
     def deliver(self, batch: list[Job], reply: tuple) -> None:
-        _, bad, failed, done = reply
+        _, bad, failed, done, crops = reply
         by_id = {j.id: j.future for j in batch}
         for jid, message, hint, too_large in bad:
             _settle(by_id.pop(jid, None), BadImage(message, hint, too_large))
@@ -476,7 +498,7 @@ class Pool:
             share = {st: ms / len(ids) for st, ms in timings.items()}
             self.on_batch(len(ids), share, cpu, sum(len(f) for f in found))
             for jid, faces, shape in zip(ids, found, shapes):
-                _settle(by_id.pop(jid, None), Done(faces, share, tuple(shape)))
+                _settle(by_id.pop(jid, None), Done(faces, share, tuple(shape), crops.get(jid, [])))
         for fut in by_id.values():                         # a reply that left a frame out: never silently
             _settle(fut, KilnError("the worker's answer left this frame out", "see the service's log"))
         self.release(batch)
@@ -537,4 +559,5 @@ def _settle(fut: concurrent.futures.Future | None, value: Any) -> None:
         pass
 
 
-__all__ = ["BadImage", "Done", "NoWorker", "Options", "Pool", "TooSlow", "WorkerDied", "run_batch", "warm"]
+__all__ = ["BadImage", "Done", "FACES", "IDENTIFY", "NoWorker", "Options", "Pool", "TooSlow", "WorkerDied", "run_batch",
+           "warm"]
