@@ -202,12 +202,17 @@ def profiled(repo, tmp_path_factory) -> Path:
     return root
 
 
+# The rebuild and the run-cache restore are DVC's, the same for every target: they run for one untuned and the one
+# tuned target (≈ 50 s each on 2 cores); for the others, what a toolchain change stales is checked (seconds).
+REBUILT = ("executorch-xnnpack", "tvm")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", sorted(OPT_IN))
 def test_an_opt_in_targets_toolchain_change_rebuilds_only_its_engines(profiled, target):
     """The same as for ort-cpu, through DVC in a project with every opt-in profile applied: a new version of this
-    target's toolchain stales exactly its built stages (no other target's, no default stage), the engine is built
-    again, and going back restores it from DVC's run cache without compiling."""
+    target's toolchain stales exactly its built stages (no other target's, no default stage); for REBUILT, the engine
+    is built again, and going back restores it from DVC's run cache without compiling."""
     engine, key, tuned = OPT_IN[target]
     fp = profiled / f"artifacts/toolchain/{target}.yaml"
     original = fp.read_text()
@@ -219,10 +224,14 @@ def test_an_opt_in_targets_toolchain_change_rebuilds_only_its_engines(profiled, 
     fp.write_text(yaml.safe_dump(doc, sort_keys=True))
     try:
         assert stale(profiled) - before == {f"compile@{engine}", *tuned}
-        r = dvc(profiled, "repro", "-s", address(f"compile@{engine}"), env=LITERT)
-        assert r.returncode == 0 and ran(r.stdout) == {f"compile@{engine}"}, r.stdout[-3000:] + r.stderr[-3000:]
+        if target in REBUILT:
+            r = dvc(profiled, "repro", "-s", address(f"compile@{engine}"), env=LITERT)
+            assert r.returncode == 0 and ran(r.stdout) == {f"compile@{engine}"}, r.stdout[-3000:] + r.stderr[-3000:]
     finally:
         fp.write_text(original)
+    if target not in REBUILT:                       # nothing was rebuilt: going back stales nothing again
+        assert stale(profiled) == before
+        return
     back = dvc(profiled, "repro", "-s", address(f"compile@{engine}"), env=LITERT)
     assert back.returncode == 0 and not ran(back.stdout), back.stdout
     assert "cached" in back.stdout.lower() or "restored" in back.stdout.lower(), back.stdout

@@ -47,7 +47,7 @@ from kiln_runtime.text import first_hidden, shown
 SCHEMA = "kiln.gallery/1"
 SNAPSHOT_SCHEMA = "kiln.gallery-snapshot/1"
 RECEIPT_SCHEMA = "kiln.erasure-receipt/1"
-CREATE, ENROL, DELETE, ERASE, RESTORE = "create", "enrol", "delete", "erase", "restore"
+CREATE, ENROL, DELETE, ERASE, RESTORE, SNAPSHOT = "create", "enrol", "delete", "erase", "restore", "snapshot"
 MAX_TEXT = 500                        # characters of an actor or a reason
 BUSY_MS = 30_000                      # how long a write waits for another writer's transaction
 HINT_MIGRATE = ("its vectors were made by another embedder: serve it with the release it was enrolled for, or give "
@@ -145,12 +145,28 @@ class Event:
     hash: str
 
 
-def face_digest(subject: str, embedding: np.ndarray, crop: bytes | None, source_sha256: str | None) -> str:
-    """A face's content digest: its subject, its vector's bytes, its crop's bytes, its source image."""
+def canonical_box(box) -> list[float]:
+    return [round(float(v), 3) for v in box]
+
+
+def canonical_marks(landmarks) -> list[list[float]] | None:
+    return None if landmarks is None else [[round(float(x), 3), round(float(y), 3)] for x, y in landmarks]
+
+
+def canonical_score(score) -> float:
+    return round(float(score), 6)
+
+
+def face_digest(subject: str, embedding: np.ndarray, crop: bytes | None, source_sha256: str | None, box,
+                score, landmarks) -> str:
+    """A face's content digest: everything stored for it — its subject, its vector's bytes, its crop's bytes, its
+    source image, its box, score and landmarks (as stored: `canonical_*`)."""
     e = np.ascontiguousarray(embedding, "<f4").tobytes()
     return hashlib.sha256(canonical_json({
         "subject": subject, "embedding": hashlib.sha256(e).hexdigest(),
-        "crop": None if crop is None else hashlib.sha256(crop).hexdigest(), "source": source_sha256})).hexdigest()
+        "crop": None if crop is None else hashlib.sha256(crop).hexdigest(), "source": source_sha256,
+        "box": canonical_box(box), "score": canonical_score(score), "landmarks": canonical_marks(landmarks)})
+    ).hexdigest()
 
 
 def event_hash(seq: int, at: str, actor: str, reason: str, action: str, subject: str | None, face: str | None,
@@ -188,26 +204,22 @@ CREATE TABLE faces(id TEXT PRIMARY KEY, subject TEXT NOT NULL, digest TEXT NOT N
                    crop BLOB, landmarks TEXT, box TEXT NOT NULL, score REAL NOT NULL, source_sha256 TEXT,
                    created TEXT NOT NULL, event INTEGER NOT NULL);
 CREATE INDEX faces_subject ON faces(subject);
-CREATE INDEX faces_digest ON faces(digest);
+CREATE UNIQUE INDEX faces_digest ON faces(digest);
 CREATE TABLE events(seq INTEGER PRIMARY KEY, at TEXT NOT NULL, actor TEXT NOT NULL, reason TEXT NOT NULL,
                     action TEXT NOT NULL, subject TEXT, face TEXT, face_digest TEXT, detail TEXT NOT NULL,
                     prev TEXT NOT NULL, hash TEXT NOT NULL UNIQUE);
 CREATE INDEX events_subject ON events(subject);
-CREATE TABLE snapshots(sha256 TEXT PRIMARY KEY, version INTEGER NOT NULL, at TEXT NOT NULL, path TEXT NOT NULL);
 CREATE TRIGGER events_no_update BEFORE UPDATE ON events BEGIN SELECT RAISE(ABORT, 'the event log is append-only'); END;
 CREATE TRIGGER events_no_delete BEFORE DELETE ON events BEGIN SELECT RAISE(ABORT, 'the event log is append-only'); END;
 """
 
 
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
+    """A connection (the path as a file: URI, escaped — a '%' or '#' in a name is that character); the store's
+    journal settings are applied by `Store` once it knows the file is a gallery store."""
     try:
-        if readonly:
-            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, timeout=BUSY_MS / 1e3,
-                                   check_same_thread=False)
-        else:
-            conn = sqlite3.connect(str(path), isolation_level=None, timeout=BUSY_MS / 1e3, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=FULL")          # an acknowledged write survives a crash of the host
+        uri = Path(path).resolve().as_uri() + ("?mode=ro" if readonly else "")
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_MS / 1e3, check_same_thread=False)
         conn.execute(f"PRAGMA busy_timeout={BUSY_MS}")
         return conn
     except sqlite3.Error as e:
@@ -216,12 +228,21 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
             from None
 
 
+def _writable(conn: sqlite3.Connection) -> None:
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")                  # an acknowledged write survives a crash of the host
+
+
+class StoreError(KilnError):
+    """The store itself failed (locked past the wait, disk full, I/O): the service's 503, not the client's fault."""
+
+
 @contextmanager
 def db_errors(path: Path) -> Iterator[None]:
     try:
         yield
     except sqlite3.DatabaseError as e:
-        raise KilnError(f"{shown(path, 300)}: the gallery store failed ({shown(str(e), 200)})",
+        raise StoreError(f"{shown(path, 300)}: the gallery store failed ({shown(str(e), 200)})",
                         "check the file is a gallery store, the disk has room, and `kiln-run gallery audit` it") \
             from None
 
@@ -236,12 +257,21 @@ class Store:
             raise KilnError(f"{shown(path, 300)}: no such gallery store", "make one: kiln-run gallery init STORE "
                             "--release ARCHIVE --key KEY.pub (serve --gallery STORE makes it when it is missing)")
         self.conn = _connect(self.path, readonly)
-        with db_errors(self.path):
-            meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+        try:
+            with db_errors(self.path):
+                meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+        except StoreError:
+            self.conn.close()
+            raise KilnError(f"{shown(path, 300)}: not a Kiln gallery store (no meta table)",
+                            "pass a store made by `kiln-run gallery init`") from None
         if meta.get("schema") != SCHEMA:
+            self.conn.close()
             raise KilnError(f"{shown(path, 300)}: not a Kiln gallery store (schema {shown(meta.get('schema'), 60)})",
                             "pass a store made by `kiln-run gallery init`")
         self.binding = Binding.of_doc(json.loads(meta["binding"]))
+        if not readonly:
+            with db_errors(self.path):
+                _writable(self.conn)
 
     def close(self) -> None:
         self.conn.close()
@@ -310,6 +340,16 @@ class Store:
                                      "hash FROM events WHERE seq > ? ORDER BY seq", (after,)).fetchall()
         return [Event(*r[:8], json.loads(r[8]), r[9], r[10]) for r in rows]
 
+    @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """One read transaction: everything read inside sees one version of the store."""
+        with db_errors(self.path):
+            self.conn.execute("BEGIN")
+            try:
+                yield self.conn
+            finally:
+                self.conn.execute("COMMIT")
+
     # -- writing
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -339,11 +379,11 @@ class Store:
     @staticmethod
     def insert_face(conn: sqlite3.Connection, face_id: str, subject: str, digest: str, embedding: np.ndarray,
                 crop: bytes | None, landmarks, box, score: float, source: str | None, created: str, seq: int) -> None:
+        marks = canonical_marks(landmarks)
         conn.execute("INSERT INTO faces VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                      (face_id, subject, digest, np.ascontiguousarray(embedding, "<f4").tobytes(), crop,
-                      None if landmarks is None else json.dumps([[round(float(x), 3), round(float(y), 3)]
-                                                                 for x, y in landmarks]),
-                      json.dumps([round(float(v), 3) for v in box]), float(score), source, created, seq))
+                      None if marks is None else json.dumps(marks), json.dumps(canonical_box(box)),
+                      canonical_score(score), source, created, seq))
 
     def enrol(self, subject: str, embedding: np.ndarray, crop: bytes | None, landmarks, box, score: float,
               source_sha256: str | None, actor: str, reason: str) -> tuple[Face, int, bool]:
@@ -354,7 +394,7 @@ class Store:
         if vec.shape != (self.binding.dim,) or not np.isfinite(vec).all():
             raise KilnError(f"an embedding of shape {vec.shape} for a {self.binding.dim}-d gallery",
                             "enrol with the release this gallery is bound to")
-        digest = face_digest(subject, vec, crop, source_sha256)
+        digest = face_digest(subject, vec, crop, source_sha256, box, score, landmarks)
         with self.transaction() as conn:
             found = conn.execute("SELECT id FROM faces WHERE digest = ?", (digest,)).fetchone()
             if found:
@@ -364,9 +404,8 @@ class Store:
             e = self.append_event(conn, actor, reason, ENROL, subject, face_id, digest)
             self.insert_face(conn, face_id, subject, digest, vec, crop, landmarks, box, score, source_sha256, e.at,
                              e.seq)
-        return Face(face_id, subject, digest, [round(float(v), 3) for v in box], float(score),
-                    None if landmarks is None else [[float(x), float(y)] for x, y in landmarks], source_sha256, e.at,
-                    e.seq), e.seq, True
+        return Face(face_id, subject, digest, canonical_box(box), canonical_score(score), canonical_marks(landmarks),
+                    source_sha256, e.at, e.seq), e.seq, True
 
     def face(self, face_id: str) -> Face | None:
         with db_errors(self.path):
@@ -397,13 +436,15 @@ class Store:
                 if vec.shape != (self.binding.dim,) or not np.isfinite(vec).all():
                     raise KilnError(f"an embedding of shape {vec.shape} for a {self.binding.dim}-d gallery",
                                     "import vectors of the embedder this gallery is bound to")
-                digest = face_digest(subject, vec, None, None)
+                digest = face_digest(subject, vec, None, None, [0, 0, 0, 0], 1.0, None)
+                if conn.execute("SELECT 1 FROM faces WHERE digest = ?", (digest,)).fetchone():
+                    continue                                       # the same face again adds nothing
                 face_id = uuid.uuid4().hex[:20]
                 e = self.append_event(conn, actor, reason, ENROL, subject, face_id, digest)
                 self.insert_face(conn, face_id, subject, digest, vec, None, None, [0, 0, 0, 0], 1.0, None, e.at,
                                  e.seq)
                 seq = e.seq
-        return seq
+        return seq or self.version()
 
     def delete_face(self, face_id: str, actor: str, reason: str, subject: str | None = None) -> int:
         """Remove one face (its embedding, crop and all); the version after."""
@@ -419,20 +460,23 @@ class Store:
 
     def erase(self, subject: str, actor: str, reason: str) -> dict[str, Any]:
         """Remove every face of `subject` and everything stored for them, in one transaction with its event; the
-        receipt (RECEIPT_SCHEMA)."""
+        receipt (RECEIPT_SCHEMA). A subject no longer enrolled but held before still gets one (the snapshots that
+        hold them matter); one never held is unknown."""
         check_subject(subject)
         with self.transaction() as conn:
             rows = conn.execute("SELECT id, digest FROM faces WHERE subject = ? ORDER BY rowid", (subject,)).fetchall()
-            if not rows:
-                raise KilnError(f"no subject {shown(subject, 64)} in the gallery",
+            last = conn.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+            if not rows and not _held(conn, subject, last + 1):
+                raise KilnError(f"no subject {shown(subject, 64)} in the gallery, now or before",
                                 "list the subjects: kiln-run gallery list STORE (or GET /v1/subjects)")
             e = self.append_event(conn, actor, reason, ERASE, subject, None, None,
-                             {"faces": [r[0] for r in rows], "digests": [r[1] for r in rows]})
+                                  {"faces": [r[0] for r in rows], "digests": [r[1] for r in rows]})
             conn.execute("DELETE FROM faces WHERE subject = ?", (subject,))
             held = _held(conn, subject, e.seq)
-            snaps = [{"sha256": s, "version": int(v), "path": p} for s, v, p in conn.execute(
-                "SELECT sha256, version, path FROM snapshots ORDER BY version")
-                if any(a <= int(v) <= b for a, b in held)]
+            snaps = [{"version": d["version"], "path": d["path"], "sha256": d["sha256"], "event": seq}
+                     for seq, d in ((seq, json.loads(d)) for seq, d in conn.execute(
+                         "SELECT seq, detail FROM events WHERE action = ? ORDER BY seq", (SNAPSHOT,)))
+                     if any(a <= d["version"] <= b for a, b in held)]
         return {"receipt": RECEIPT_SCHEMA, "subject": subject, "event": e.hash, "seq": e.seq, "at": e.at,
                 "actor": actor, "reason": reason, "faces_erased": [r[1] for r in rows],
                 "versions_that_held": [list(h) for h in held], "version_without": e.seq, "snapshots_that_hold": snaps,
@@ -440,16 +484,12 @@ class Store:
                 "note": "the snapshots listed still hold this subject: delete them to complete the erasure"
                 if snaps else "no snapshot holds this subject"}
 
-    def record_snapshot(self, sha256: str, version: int, path: str) -> None:
-        with self.transaction() as conn:
-            conn.execute("INSERT OR IGNORE INTO snapshots VALUES (?, ?, ?, ?)", (sha256, version, now(), path))
-
 
 def _held(conn: sqlite3.Connection, subject: str, until: int) -> list[tuple[int, int]]:
     """The version ranges [a, b] in which `subject` had at least one face, up to (not including) version `until`."""
     out, count, start = [], 0, None
-    for seq, action, detail in conn.execute("SELECT seq, action, detail FROM events WHERE subject = ? AND seq < ? "
-                                            "ORDER BY seq", (subject, until)):
+    for seq, action, _ in conn.execute("SELECT seq, action, detail FROM events WHERE subject = ? AND seq < ? "
+                                       "ORDER BY seq", (subject, until)):
         before = count
         if action in (ENROL, RESTORE):
             count += 1
@@ -480,6 +520,7 @@ def create(path: Path, binding: Binding, actor: str, reason: str,
     try:
         conn = _connect(tmp)
         with db_errors(tmp):
+            _writable(conn)
             conn.executescript(_TABLES)
             conn.executemany("INSERT INTO meta VALUES (?, ?)", [
                 ("schema", SCHEMA), ("binding", json.dumps(binding.doc(), sort_keys=True)),
@@ -491,7 +532,9 @@ def create(path: Path, binding: Binding, actor: str, reason: str,
                 emb, labels = seed
                 for vec, subject in zip(np.asarray(emb, np.float32), labels):
                     check_subject(subject)
-                    digest = face_digest(subject, vec, None, None)
+                    digest = face_digest(subject, vec, None, None, [0, 0, 0, 0], 1.0, None)
+                    if conn.execute("SELECT 1 FROM faces WHERE digest = ?", (digest,)).fetchone():
+                        continue                                   # a face given twice is one face
                     face_id = uuid.uuid4().hex[:20]
                     e = Store.append_event(conn, actor, f"seeded from {seed_from}", ENROL, subject, face_id, digest)
                     Store.insert_face(conn, face_id, subject, digest, vec, None, None, [0, 0, 0, 0], 1.0, None, e.at,
@@ -500,7 +543,12 @@ def create(path: Path, binding: Binding, actor: str, reason: str,
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             conn.execute("PRAGMA journal_mode=DELETE")       # one file to rename; WAL again when opened
         conn.close()
-        os.replace(tmp, path)
+        try:
+            os.link(tmp, path)                 # never over a store another process made meanwhile
+        except FileExistsError:
+            raise KilnError(f"{shown(path, 300)} was made by another process meanwhile", "use that store: start "
+                            "again, and it is opened instead of made") from None
+        tmp.unlink()
     except BaseException:
         for p in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm"), Path(f"{tmp}-journal")):
             p.unlink(missing_ok=True)
@@ -518,12 +566,17 @@ class Audit:
     problems: list[str]
 
 
-def audit(store: Store) -> Audit:
+def audit(store: Store, expect: list[str] | None = None) -> Audit:
     """Verify the chain (each event's hash over its content and the previous hash, numbered without a gap, first a
     create with the store's binding) and replay it: the faces it leaves must be exactly the faces stored, each
-    row's bytes hashing to the digest its event recorded. Every difference is named."""
+    row's bytes and values hashing to the digest its event recorded. `expect`: event hashes kept outside the store
+    (a receipt's, a snapshot's head) that must be in the chain — the anchor that shows the log was not cut short or
+    rewritten whole. Everything is read in one transaction; every difference is named."""
     problems: list[str] = []
-    events = store.events()
+    with store.reading() as conn:
+        events = store.events()
+        rows = conn.execute("SELECT id, subject, digest, embedding, crop, source_sha256, box, score, landmarks, event "
+                            "FROM faces").fetchall()
     prev, expected = GENESIS, {}
     for i, e in enumerate(events, 1):
         if e.seq != i:
@@ -545,19 +598,26 @@ def audit(store: Store) -> Audit:
         elif e.action == ERASE:
             for f in e.detail.get("faces", []):
                 expected.pop(f, None)
-    with db_errors(store.path):
-        rows = store.conn.execute("SELECT id, subject, digest, embedding, crop, source_sha256 FROM faces").fetchall()
+    hashes = {e.hash for e in events}
+    for h in expect or []:
+        if h not in hashes:
+            problems.append(f"event {shown(h, 64)}: kept outside the store, but not in its log (the log was cut "
+                            "short or rewritten)")
     seen = set()
-    for face_id, subject, digest, emb, crop, source in rows:
+    for face_id, subject, digest, emb, crop, source, box, score, marks, event in rows:
         seen.add(face_id)
         want = expected.get(face_id)
         if want is None:
             problems.append(f"face {shown(face_id, 40)} of {shown(subject, 64)}: stored, but no event enrolled it "
                             "(or it was deleted or erased): added behind Kiln's back")
             continue
-        vec = np.frombuffer(emb, "<f4") if len(emb) == 4 * store.binding.dim else None
-        actual = None if vec is None else face_digest(subject, vec, crop, source)
-        if (subject, digest) != want[:2] or actual != want[1]:
+        try:
+            vec = np.frombuffer(emb, "<f4") if len(emb) == 4 * store.binding.dim else None
+            actual = None if vec is None else face_digest(subject, vec, crop, source, json.loads(box), score,
+                                                          json.loads(marks) if marks else None)
+        except (ValueError, TypeError):
+            actual = None
+        if (subject, digest, event) != (want[0], want[1], want[2]) or actual != want[1]:
             problems.append(f"face {shown(face_id, 40)} of {shown(subject, 64)}: its stored bytes are not what event "
                             f"#{want[2]} enrolled (edited behind Kiln's back)")
     for face_id in sorted(set(expected) - seen):
@@ -587,23 +647,26 @@ class Live:
         self.buf[:len(ids)] = emb
 
     def refresh(self) -> bool:
-        """Catch up with the store; whether anything changed."""
-        version = self.store.version()
-        if version == self.version:
-            return False
-        events = self.store.events(self.version) if self.version >= 0 else []
-        if self.version < 0 or len(events) > max(256, len(self.ids) // 4) or any(e.action == RESTORE for e in events):
-            self._reload()
-        else:
-            rows = self.store.embeddings([e.face for e in events if e.action == ENROL])
-            for e in events:
-                if e.action == ENROL and e.face in rows and e.face not in self.pos:
-                    self._add(e.face, *rows[e.face])
-                elif e.action == DELETE:
-                    self._remove(e.face)
-                elif e.action == ERASE:
-                    for f in e.detail.get("faces", []):
-                        self._remove(f)
+        """Catch up with the store (one read transaction: the version and what it holds agree); whether anything
+        changed."""
+        with self.store.reading():
+            version = self.store.version()
+            if version == self.version:
+                return False
+            events = self.store.events(self.version) if self.version >= 0 else []
+            if self.version < 0 or len(events) > max(256, len(self.ids) // 4) or \
+                    any(e.action == RESTORE for e in events):
+                self._reload()
+            else:
+                rows = self.store.embeddings([e.face for e in events if e.action == ENROL])
+                for e in events:
+                    if e.action == ENROL and e.face in rows and e.face not in self.pos:
+                        self._add(e.face, *rows[e.face])
+                    elif e.action == DELETE:
+                        self._remove(e.face)
+                    elif e.action == ERASE:
+                        for f in e.detail.get("faces", []):
+                            self._remove(f)
         self.version = version
         return True
 
@@ -632,5 +695,5 @@ class Live:
         return self.buf[:len(self.ids)], list(self.labels)
 
 
-__all__ = ["Audit", "Binding", "Event", "Face", "Live", "RECEIPT_SCHEMA", "SCHEMA", "Store", "audit", "binding_of",
+__all__ = ["Audit", "Binding", "Event", "Face", "Live", "RECEIPT_SCHEMA", "SCHEMA", "Store", "StoreError", "audit", "binding_of",
            "check_subject", "check_text", "closest", "create", "db_errors", "face_digest"]

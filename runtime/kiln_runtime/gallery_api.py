@@ -41,8 +41,10 @@ class Access:
 @dataclass
 class Context:
     """What the gallery routes need from the service (kiln_runtime/serve.py), so this module imports none of it."""
-    store: g.Store
-    lock: threading.Lock          # one sqlite3 connection, used from worker threads one at a time
+    store: g.Store                # the writer's connection: writes wait for each other, never for reads
+    lock: threading.Lock          # it is used from worker threads one at a time
+    reader: g.Store               # a read-only connection: reads never wait for a write (WAL)
+    read_lock: threading.Lock
     policy: Policy
     access: Access
     body: Callable[[Any], Awaitable[Any]]             # request → bytes, or the Response refusing it
@@ -61,7 +63,8 @@ def refused(ctx: Context, request, write: bool):
         return ctx.refuse(403, "forbidden", "gallery writes are disabled on this service",
                           "start kiln-run serve with --token-file FILE (or KILN_GALLERY_TOKEN) to allow them")
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), ctx.access.token):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1", "replace"),
+                                                             ctx.access.token):     # the header's own bytes
         return ctx.refuse(401, "unauthorized", "a gallery " + ("write" if write else "read") + " needs the "
                           "service's bearer token", "send Authorization: Bearer TOKEN",
                           **{"WWW-Authenticate": 'Bearer realm="kiln-gallery"'})
@@ -74,22 +77,35 @@ def routes(ctx: Context) -> list:
     from starlette.routing import Route
 
     async def db(fn: Callable, *args):
+        """A write, on the writer's connection, in a worker thread (the event loop never waits on SQLite)."""
         def locked():
             with ctx.lock:
+                return fn(*args)
+        return await asyncio.to_thread(locked)
+
+    async def read(fn: Callable, *args):
+        def locked():
+            with ctx.read_lock:
                 return fn(*args)
         return await asyncio.to_thread(locked)
 
     def denied(request: Request, write: bool) -> Response | None:
         return refused(ctx, request, write)
 
+    def header(request: Request, name: str) -> str | None:
+        raw = request.headers.get(name)              # HTTP headers arrive as latin-1: a UTF-8 value decoded as such
+        return None if raw is None else raw.encode("latin-1", "replace").decode("utf-8", "replace")
+
     def who(request: Request, default_reason: str) -> tuple[str, str]:
-        return (g.check_text(request.headers.get("x-kiln-actor"), "actor", "api"),
-                g.check_text(request.headers.get("x-kiln-reason"), "reason", default_reason))
+        return (g.check_text(header(request, "x-kiln-actor"), "actor", "api"),
+                g.check_text(header(request, "x-kiln-reason"), "reason", default_reason))
 
     def subject_of(request: Request) -> str:
         return g.check_subject(request.path_params["subject"])
 
     def user_error(e: KilnError) -> Response:
+        if isinstance(e, g.StoreError):              # the store's own failure: the service's, retry later
+            return ctx.refuse(503, "store", e.message, e.hint, **{"Retry-After": "1"})
         if isinstance(e, NotEnrolable):
             return ctx.refuse(422, "not_enrolable", e.message, e.hint)
         if "no subject" in e.message or "no face" in e.message:
@@ -110,12 +126,17 @@ def routes(ctx: Context) -> list:
     async def info(request: Request) -> Response:
         if (no := denied(request, False)) is not None:
             return no
-        def read():
-            s = ctx.store
-            subjects, faces = s.counts()
-            return {"binding": s.binding.doc(), "binding_digest": s.binding.digest, "version": s.version(),
-                    "head": s.head(), "subjects": subjects, "faces": faces, "store": s.path.name}
-        return ctx.reply(await db(read))
+
+        def summary():
+            s = ctx.reader
+            with s.reading():
+                subjects, faces = s.counts()
+                return {"binding": s.binding.doc(), "binding_digest": s.binding.digest, "version": s.version(),
+                        "head": s.head(), "subjects": subjects, "faces": faces, "store": s.path.name}
+        try:
+            return ctx.reply(await read(summary))
+        except KilnError as e:
+            return user_error(e)
 
     async def subjects(request: Request) -> Response:
         if (no := denied(request, False)) is not None:
@@ -125,18 +146,22 @@ def routes(ctx: Context) -> list:
         except ValueError:
             return ctx.refuse(400, "bad_request", "limit is not a number", f"pass limit=1..{MAX_PAGE}")
         after = request.query_params.get("after", "")
-        page = await db(ctx.store.subjects, limit, after)
-        return ctx.reply({"version": await db(ctx.store.version), "subjects": [
-            {"subject": s, "faces": n} for s, n in page], "next": page[-1][0] if len(page) == limit else None})
+        try:
+            page = await read(ctx.reader.subjects, limit, after)
+            version = await read(ctx.reader.version)
+        except KilnError as e:
+            return user_error(e)
+        return ctx.reply({"version": version, "subjects": [{"subject": s, "faces": n} for s, n in page],
+                          "next": page[-1][0] if len(page) == limit else None})
 
     async def subject(request: Request) -> Response:
         if (no := denied(request, False)) is not None:
             return no
         try:
             name = subject_of(request)
+            faces = await read(ctx.reader.faces, name)
         except KilnError as e:
             return user_error(e)
-        faces = await db(ctx.store.faces, name)
         if not faces:
             return ctx.refuse(404, "not_found", f"no subject {name} in the gallery", "list them: GET /v1/subjects")
         return ctx.reply({"subject": name, "faces": [
@@ -193,7 +218,7 @@ def routes(ctx: Context) -> list:
             return no
         try:
             name = subject_of(request)
-            ids, _, vectors = await db(ctx.store.vectors, name)
+            ids, _, vectors = await read(ctx.reader.vectors, name)
             if not ids:
                 return ctx.refuse(404, "not_found", f"no subject {name} in the gallery", "enrol them first")
             got = await one_face(request)

@@ -148,11 +148,16 @@ def cmd_erase(args) -> int:
     with g.Store(Path(args.store)) as store:
         receipt = store.erase(g.check_subject(args.subject), _actor(args), g.check_text(args.reason, "reason", ""))
     text = json.dumps(receipt, indent=1, sort_keys=True)
+    print(text, flush=True)                     # first: the erasure is done, its receipt must not be lost
     if args.receipt:
         tmp = Path(args.receipt).with_name(f".{Path(args.receipt).name}.{os.getpid()}.tmp")
-        tmp.write_text(text + "\n", encoding="utf-8")
-        os.replace(tmp, args.receipt)
-    print(text)
+        try:
+            tmp.write_text(text + "\n", encoding="utf-8")
+            os.replace(tmp, args.receipt)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise KilnError(f"the erasure is done (its receipt is above), but {shown(args.receipt, 300)} could not be "
+                            f"written ({e.strerror})", "keep the receipt printed above") from None
     return 0
 
 
@@ -178,7 +183,7 @@ def cmd_audit(args) -> int:
     from kiln_runtime import gallery as g
 
     with g.Store(Path(args.store), readonly=True) as store:
-        report = g.audit(store)
+        report = g.audit(store, args.expect)
     for p in report.problems:
         print(f"FAIL  {p}")
     print(f"audit: {report.events} event(s), chain {'verified' if not report.problems else 'BROKEN'} to head "
@@ -272,6 +277,9 @@ def add_parser(sub) -> None:
     p = cmds.add_parser("audit", help="verify the hash chain and replay it against the stored faces (exit 1 on any "
                         "difference)")
     store(p)
+    p.add_argument("--expect", action="append", metavar="EVENT_HASH", help="an event hash kept outside the store (a "
+                   "receipt's event, a snapshot's head) that must be in its log: shows it was not cut short or "
+                   "rewritten (repeatable)")
     p.set_defaults(func=cmd_audit)
     p = cmds.add_parser("snapshot", help="write a signed, content-addressed snapshot of the store")
     store(p)

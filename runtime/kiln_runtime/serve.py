@@ -158,9 +158,14 @@ class Metrics:
     def text(self, service: "Service", connections: int) -> str:
         pool, info = service.pool, service.info
         gallery: list[str] = []
-        if service.store is not None:
-            with service.store_lock:
-                version, (subjects, faces) = service.store.version(), service.store.counts()
+        if service.reader is not None and service.reader_lock.acquire(timeout=1.0):
+            try:                                 # the read-only connection: never behind a write (WAL)
+                with service.reader.reading():
+                    version, (subjects, faces) = service.reader.version(), service.reader.counts()
+            except KilnError:
+                version = subjects = faces = -1
+            finally:
+                service.reader_lock.release()
             gallery = [*_family("kiln_gallery_version", "gauge", "The live gallery's version (its last event).",
                                 f"kiln_gallery_version {version}"),
                        *_family("kiln_gallery_subjects", "gauge", "Subjects in the live gallery.",
@@ -245,6 +250,12 @@ class Service:
         self.pool, self.info, self.metrics = pool, info, metrics
         self.store, self.policy = store, policy          # a live gallery (kiln_runtime/gallery.py), or None
         self.store_lock = threading.Lock()
+        self.reader = None                               # its read-only connection: reads, /metrics
+        if store is not None:
+            from kiln_runtime.gallery import Store
+
+            self.reader = Store(store.path, readonly=True)
+        self.reader_lock = threading.Lock()
         self.draining = False
 
     def is_ready(self) -> bool:
@@ -323,9 +334,9 @@ def app(service: Service, settings: Settings, live: dict):
     if service.store is not None:
         from kiln_runtime import gallery_api
 
-        gctx = gallery_api.Context(service.store, service.store_lock, service.policy,
-                                   gallery_api.Access(settings.token, settings.auth_reads), read_body, run_frame,
-                                   reply, refuse, m.gallery_write)
+        gctx = gallery_api.Context(service.store, service.store_lock, service.reader, service.reader_lock,
+                                   service.policy, gallery_api.Access(settings.token, settings.auth_reads), read_body,
+                                   run_frame, reply, refuse, m.gallery_write)
 
     async def identify(request: Request) -> Response:
         t0 = time.perf_counter()
@@ -497,6 +508,7 @@ def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
             pool.stop()
             if store is not None:
                 store.close()
+                service.reader.close()
     say(f"kiln-run: drained ({metrics.frames} frames served); bye", flush=True)
     return 0
 

@@ -11,7 +11,7 @@ release signing format (kiln_runtime/signature.py), and `restore`, which verifie
     kiln-gallery-<binding12>-v<version>.sig
 
 Nothing in it depends on time, host or path, so one store version is one archive, byte for byte: its sha256 names
-it. The store records each snapshot it made, so an erasure's receipt lists the snapshots that still hold the person.
+it.
 Restoring appends to the log (never rewrites it): a `restore` event for each snapshot face the store lacks, a
 `delete` for each face the snapshot lacks — so `audit` replays a restore like any other change, and a snapshot cannot
 bring back a subject erased since it was taken unless the operator says so (`allow_erased`, recorded).
@@ -69,10 +69,8 @@ def take(store: g.Store, out_dir: Path, private_key: Path) -> tuple[Path, str, i
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise KilnError(f"{shown(out_dir, 300)}: no such folder", "create it, or pass --out an existing folder")
-    with scratch("snapshot") as tmp, g.db_errors(store.path):
-        conn = store.conn
-        conn.execute("BEGIN")                                 # one consistent read of faces and events
-        try:
+    with scratch("snapshot") as tmp:
+        with store.reading() as conn:                         # one consistent read of faces and events
             events = store.events()
             version = events[-1].seq if events else 0
             head = events[-1].hash if events else g.GENESIS
@@ -96,8 +94,6 @@ def take(store: g.Store, out_dir: Path, private_key: Path) -> tuple[Path, str, i
                         "event": r[10], "crop_at": None if r[4] is None else at,
                         "crop_bytes": None if r[4] is None else len(r[4])}, sort_keys=True) + "\n")
                     at += 0 if r[4] is None else len(r[4])
-        finally:
-            conn.execute("COMMIT")
         doc = {"schema": g.SNAPSHOT_SCHEMA, "binding": store.binding.doc(), "binding_digest": store.binding.digest,
                "version": version, "head": head, "faces": n, "subjects": len(subjects)}
         (tree / "gallery.json").write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
@@ -118,8 +114,23 @@ def take(store: g.Store, out_dir: Path, private_key: Path) -> tuple[Path, str, i
                 os.replace(staged, dest)
         finally:
             staged.unlink(missing_ok=True)
-    store.record_snapshot(sha, version, str(dest))
+    _record(store, dest, sha, version, subjects)
     return dest, sha, version
+
+
+def _record(store: g.Store, dest: Path, sha: str, version: int, subjects: set[str]) -> None:
+    """The snapshot as an event of the log (so an erasure's receipt finds it, and the audit covers the record) —
+    unless a subject it holds was erased after the version it was read at: then an erasure's receipt already went
+    out without it, so the archive is removed and the snapshot refused."""
+    with store.transaction() as conn:
+        erased = sorted({row[0] for row in conn.execute("SELECT subject FROM events WHERE action = ? AND seq > ?",
+                                                        (g.ERASE, version)) if row[0] in subjects})
+        if erased:
+            dest.unlink(missing_ok=True)
+            raise KilnError(f"{shown(', '.join(erased[:5]), 200)} erased while the snapshot was written: it would "
+                            "hold an erased subject, so it was removed", "take the snapshot again")
+        store.append_event(conn, "kiln-run gallery snapshot", f"snapshot of version {version}", g.SNAPSHOT,
+                           detail={"version": version, "path": str(dest.resolve()), "sha256": sha})
 
 
 @contextmanager
@@ -169,7 +180,8 @@ def read(archive: Path, public_key: Path) -> Iterator[Snapshot]:
         snap = Snapshot(tree.name, binding, int(doc["version"]), str(doc["head"]), faces, emb, crops, events)
         for f, vec in zip(faces, emb):
             g.check_subject(f.get("subject"))
-            if g.face_digest(f["subject"], vec, snap.crop(f), f.get("source_sha256")) != f.get("digest"):
+            if g.face_digest(f["subject"], vec, snap.crop(f), f.get("source_sha256"), f["box"], f["score"],
+                             f.get("landmarks")) != f.get("digest"):
                 raise GateFailed(f"{shown(archive, 300)}: face {shown(f.get('id'), 40)} does not match its digest",
                                  "do not restore it")
         if snap.events and snap.events[-1].get("hash") != snap.head:
@@ -188,34 +200,38 @@ def restore(store: g.Store, archive: Path, public_key: Path, actor: str, reason:
                              f"{shown(snap.binding.embedder, 64)} {snap.binding.embedder_xxh3_128[:12]}, this store's "
                              f"is {shown(store.binding.embedder, 64)} {store.binding.embedder_xxh3_128[:12]}",
                              g.HINT_MIGRATE)
-        log = store.events()
-        since = next((e.seq for e in log if e.hash == snap.head), 0)
-        subjects = {f["subject"] for f in snap.faces}
-        erased = sorted({e.subject for e in log if e.action == g.ERASE and e.seq > since and e.subject in subjects})
-        if erased and not allow_erased:
-            raise GateFailed(f"{shown(archive, 300)} holds {len(erased)} subject(s) erased from this gallery since it "
-                             f"was taken ({shown(', '.join(erased[:5]), 200)}): restoring would bring them back",
-                             "take a new snapshot, or pass --allow-erased (recorded in the log) if that is intended")
-        note = f"restore of snapshot {snap.name}" + (f"; brings back erased {', '.join(erased)}" if erased else "")
-        reason = f"{reason}; {note}" if reason else note
         detail = {"snapshot": snap.name, "snapshot_version": snap.version, "snapshot_head": snap.head}
         added = removed = 0
-        with store.transaction() as conn:
-            current = {d: (f, s) for f, s, d in conn.execute("SELECT id, subject, digest FROM faces")}
+        with store.transaction() as conn:           # the erasures checked and the changes made as one
+            log = store.events()
+            since = next((e.seq for e in log if e.hash == snap.head), 0)
+            subjects = {f["subject"] for f in snap.faces}
+            erased = sorted({e.subject for e in log if e.action == g.ERASE and e.seq > since and e.subject in subjects})
+            if erased and not allow_erased:
+                raise GateFailed(f"{shown(archive, 300)} holds {len(erased)} subject(s) erased from this gallery since "
+                                 f"it was taken ({shown(', '.join(erased[:5]), 200)}): restoring would bring them back",
+                                 "take a new snapshot, or pass --allow-erased (recorded in the log) if that is "
+                                 "intended")
+            note = f"restore of snapshot {snap.name}" + (f"; brings back erased {', '.join(erased)}" if erased else "")
+            reason = f"{reason}; {note}" if reason else note
             wanted = {f["digest"] for f in snap.faces}
-            for digest, (face_id, subject) in current.items():
-                if digest not in wanted:
-                    store.append_event(conn, actor, reason, g.DELETE, subject, face_id, digest, detail)
-                    conn.execute("DELETE FROM faces WHERE id = ?", (face_id,))
-                    removed += 1
-            for f, vec in zip(snap.faces, snap.embeddings):
-                if f["digest"] in current:
+            present = set()
+            for face_id, subject, digest in conn.execute("SELECT id, subject, digest FROM faces").fetchall():
+                if digest in wanted:
+                    present.add(digest)
                     continue
+                store.append_event(conn, actor, reason, g.DELETE, subject, face_id, digest, detail)
+                conn.execute("DELETE FROM faces WHERE id = ?", (face_id,))
+                removed += 1
+            for f, vec in zip(snap.faces, snap.embeddings):
+                if f["digest"] in present:
+                    continue
+                present.add(f["digest"])
                 taken = conn.execute("SELECT 1 FROM faces WHERE id = ?", (f["id"],)).fetchone()
                 face_id = uuid.uuid4().hex[:20] if taken else f["id"]
                 e = store.append_event(conn, actor, reason, g.RESTORE, f["subject"], face_id, f["digest"], detail)
                 store.insert_face(conn, face_id, f["subject"], f["digest"], vec, snap.crop(f), f.get("landmarks"),
-                              f["box"], float(f["score"]), f.get("source_sha256"), e.at, e.seq)
+                                  f["box"], float(f["score"]), f.get("source_sha256"), e.at, e.seq)
                 added += 1
     return {"snapshot": snap.name, "snapshot_version": snap.version, "added": added, "removed": removed,
             "version": store.version(), "erased_brought_back": erased}

@@ -197,8 +197,8 @@ def nearest(spec: Spec, gallery: np.ndarray, names: list[str], emb: np.ndarray,
     """Nearest gallery identity and distance per embedding, brute force in the system's metric (cosine similarity
     for a cosine model); `exclude` drops one gallery row (leave-one-out checks). Up to BRUTE_FORCE_ROWS rows (every
     release's own gallery) the distances are computed pairwise, as the gates computed them; above (a live gallery of
-    thousands) from |g|² − 2 g·q + |q|² in one matrix product, without copying the gallery — the same nearest row,
-    its distance equal to float32 rounding."""
+    thousands) from |g|² − 2 g·q + |q|² in one matrix product (an L2 gallery is not copied; a cosine one is
+    normalized, as before) — the same nearest row, its distance equal to float32 rounding."""
     if exclude is None:
         rows, who = gallery, names
     else:

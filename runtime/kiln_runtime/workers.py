@@ -107,8 +107,13 @@ def run_batch(system, batch: list[tuple[int, str, bytes]], max_pixels: int, live
     from kiln_runtime.images import TooLarge, decode_bytes
 
     cpu0, timings, frames, bad = time.process_time(), {}, [], []
-    if live is not None and live.refresh():
-        system.gallery = live.gallery()
+    ids = [jid for jid, _, _ in batch]
+    try:
+        if live is not None and live.refresh():
+            system.gallery = live.gallery()
+    except Exception as e:  # noqa: BLE001 — the store unreadable now: this batch fails, the worker goes on
+        return "batch", [], (ids, f"the live gallery could not be read ({type(e).__name__}: {str(e)[:200]})",
+                             "check the gallery store (kiln-run gallery audit STORE)"), None, {}
     kinds = {jid: kind for jid, kind, _ in batch}
     t0 = time.perf_counter()
     for jid, _, body in batch:
