@@ -110,9 +110,10 @@ def cmd_identify(args) -> int:
     with _source(args) as archive, release.verified(archive, Path(args.key)) as (tree, checked):
         d = release.load(tree, checked)
         if args.gallery:                                # the live gallery's people, not the release's
-            from kiln_runtime import gallery as g
+            from kiln_runtime.gallery import binding_of
+            from kiln_runtime.gallery_cache import Live
 
-            live = g.Live(Path(args.gallery), g.binding_of(tree))
+            live = Live(Path(args.gallery), binding_of(tree))
             d.system.gallery = live.gallery()
             live.store.close()
         if args.json:                                  # JSON escapes every control character itself

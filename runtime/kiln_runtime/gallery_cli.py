@@ -182,8 +182,10 @@ def cmd_verify(args) -> int:
 def cmd_audit(args) -> int:
     from kiln_runtime import gallery as g
 
+    from kiln_runtime.gallery_audit import audit
+
     with g.Store(Path(args.store), readonly=True) as store:
-        report = g.audit(store, args.expect)
+        report = audit(store, args.expect)
     for p in report.problems:
         print(f"FAIL  {p}")
     print(f"audit: {report.events} event(s), chain {'verified' if not report.problems else 'BROKEN'} to head "

@@ -153,7 +153,8 @@ def _worker(tree: str, threads: int, max_pixels: int, gallery: str | None, conn)
     try:
         system = release.load(Path(tree), threads=threads).system
         if gallery is not None:
-            from kiln_runtime.gallery import Live, binding_of
+            from kiln_runtime.gallery import binding_of
+            from kiln_runtime.gallery_cache import Live
 
             live = Live(Path(gallery), binding_of(Path(tree)))
             system.gallery = live.gallery()

@@ -1,5 +1,6 @@
-"""kiln_runtime/gallery.py and snapshots.py: the live gallery store on a real SQLite file — binding by content, the
-hash-chained log and its audit, erasure receipts, the search cache, signed snapshots and restore, crash safety.
+"""kiln_runtime/gallery.py, gallery_audit.py, gallery_cache.py and snapshots.py: the live gallery store on a real
+SQLite file — binding by content, the hash-chained log and its audit, erasure receipts, the search cache, signed
+snapshots and restore, crash safety.
 (The store behind a real served release, enrolled from real photos: tests/release/test_system_release.py.)"""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 from kiln_runtime import gallery as g
+from kiln_runtime.gallery_audit import audit
+from kiln_runtime.gallery_cache import Live
 from kiln_runtime import snapshots
 from kiln_runtime.errors import GateFailed, KilnError
 from pipeline.release import signing
@@ -97,9 +100,9 @@ def test_enrol_delete_erase_and_the_receipt(store, tmp_path, keys):
     for bad in ("\x1b]8;;https://e\x07", "r" * 501, "two\nlines"):
         with pytest.raises(KilnError, match="control character|over 500"):
             g.check_text(bad, "reason", "")
-    report = g.audit(store, expect=[receipt["event"]])
+    report = audit(store, expect=[receipt["event"]])
     assert report.problems == [] and (report.events, report.faces, report.subjects) == (8, 1, 1)
-    assert "not in its log" in g.audit(store, expect=["ab" * 32]).problems[0]
+    assert "not in its log" in audit(store, expect=["ab" * 32]).problems[0]
 
 
 def test_the_audit_names_what_was_changed_behind_kilns_back(store):
@@ -120,7 +123,7 @@ def test_the_audit_names_what_was_changed_behind_kilns_back(store):
     raw.execute("DROP TRIGGER events_no_update")
     raw.execute("UPDATE events SET actor = 'someone-else' WHERE seq = 2")
     raw.close()
-    problems = g.audit(store).problems
+    problems = audit(store).problems
     joined = "\n".join(problems)
     assert f"face {a.id} of ada: its stored bytes are not what event #2 enrolled" in joined
     assert f"face {b.id} of eve: its stored bytes are not what event #3 enrolled" in joined
@@ -132,13 +135,13 @@ def test_the_audit_names_what_was_changed_behind_kilns_back(store):
     raw.execute("DROP TRIGGER events_no_delete")
     raw.execute("DELETE FROM events WHERE seq = 3")
     raw.close()
-    assert any("event #3: missing" in p for p in g.audit(store).problems)
+    assert any("event #3: missing" in p for p in audit(store).problems)
 
 
 def test_the_search_cache_follows_the_store_incrementally(store, tmp_path):
     """`Live` after enrolments, deletions and an erasure made by another connection (another process's writes look
     the same) holds exactly what a fresh load holds."""
-    live = g.Live(store.path, BINDING)
+    live = Live(store.path, BINDING)
     assert live.gallery()[0].shape == (0, DIM)
     faces = [enrol(store, f"p{i % 7}", i) for i in range(40)]
     assert live.refresh() and not live.refresh()
@@ -147,11 +150,11 @@ def test_the_search_cache_follows_the_store_incrementally(store, tmp_path):
     enrol(store, "late", 99)
     live.refresh()
     emb, labels = live.gallery()
-    fresh = g.Live(store.path, BINDING).gallery()
+    fresh = Live(store.path, BINDING).gallery()
     got = sorted(zip(labels, map(tuple, emb)))
     assert got == sorted(zip(fresh[1], map(tuple, fresh[0]))) and "p5" not in labels and "late" in labels
     with pytest.raises(GateFailed, match="refusing to mix vectors"):
-        g.Live(store.path, OTHER)
+        Live(store.path, OTHER)
 
 
 def test_a_signed_snapshot_restores_and_never_brings_back_an_erased_subject(store, tmp_path, keys):
@@ -168,14 +171,14 @@ def test_a_signed_snapshot_restores_and_never_brings_back_an_erased_subject(stor
     enrol(store, "cy", 3)
     summary = snapshots.restore(store, path, keys[1], "ops", "roll back a bad import")
     assert (summary["added"], summary["removed"]) == (1, 1) and summary["erased_brought_back"] == []
-    assert sorted(f.subject for f in store.faces()) == ["ada", "bob"] and g.audit(store).problems == []
+    assert sorted(f.subject for f in store.faces()) == ["ada", "bob"] and audit(store).problems == []
     store.erase("ada", "dpo", "request")
     with pytest.raises(GateFailed, match=r"holds 1 subject\(s\) erased from this gallery since it was taken \(ada\)"):
         snapshots.restore(store, path, keys[1], "ops", "again")
     assert "ada" not in {f.subject for f in store.faces()}
     forced = snapshots.restore(store, path, keys[1], "ops", "court order", allow_erased=True)
     assert forced["erased_brought_back"] == ["ada"] and "brings back erased ada" in store.events()[-1].reason
-    assert g.audit(store).problems == []
+    assert audit(store).problems == []
     # another key, a flipped byte, another embedder's snapshot: refused before anything changes
     _, other_pub = signing.keygen(tmp_path / "other" / "k.pem")
     before = store.version()
@@ -214,6 +217,8 @@ def test_model_signing_verifies_a_snapshot_as_it_verifies_a_release(store, tmp_p
 WRITER = """
 import sys, numpy as np
 from kiln_runtime import gallery as g
+from kiln_runtime.gallery_audit import audit
+from kiln_runtime.gallery_cache import Live
 s = g.Store(sys.argv[1])
 for i in range(100000):
     face, version, _ = s.enrol(f"s{i % 50}", np.random.default_rng(i).normal(size=8).astype(np.float32),
@@ -237,7 +242,7 @@ def test_sigkill_mid_enrol_loses_nothing_acknowledged_and_leaves_nothing_half_wr
     proc.wait()
     stored = {f.id for f in g.Store(store.path).faces()}
     assert set(filter(None, acked)) <= stored
-    report = g.audit(g.Store(store.path))
+    report = audit(g.Store(store.path))
     assert report.problems == [] and report.faces == report.events - 1 == len(stored)
 
 
