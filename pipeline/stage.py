@@ -9,7 +9,8 @@ dvc.yaml from these declarations, and the stage uses the same declaration at run
   model's factory, an engine's target): derived, never hand-listed (pipeline/closure.py). The record of each run
   lists the modules really imported, and a test checks they are covered.
 * params — the params.yaml keys the stage reads; packages — the versions of the third-party distributions its
-  closure imports (artifacts/toolchain/python.yaml), so a lockfile bump reruns exactly the stages that use it.
+  closure imports (artifacts/toolchain/python.yaml), so a lockfile bump reruns exactly the stages that use it — less
+  the `probes` a stage only asks a question of (their versions go to the run's record).
 
 `main` is a stage module's CLI: it parses, loads params, runs the stage inside `running` (which writes the run's
 record, pipeline/records.py) and maps Kiln's errors to exit codes (`report_errors`).
@@ -73,6 +74,8 @@ class Stage:
     always_changed: bool = False
     help: str = ""                              # the line `kiln --help` shows for it (empty: desc)
     portable: bool = False                      # its outputs are every host's: computed on portable float kernels
+    probes: tuple[str, ...] = ()                # distributions it only asks a question of (import@: a target's op
+                                                # support): versions in its run record, never in its identity
 
     @property
     def dvcfile(self) -> str:
@@ -86,8 +89,10 @@ class Stage:
         return closure([self.module, *self.dynamic(cfg, key)])[0]
 
     def packages(self) -> list[str]:
-        """Distributions the stage's own module closure imports (a dynamic module's are its target's keys)."""
-        return distributions(closure([self.module])[1])
+        """Distributions the stage's own module closure imports (a dynamic module's are its target's keys), less its
+        probes: a portable stage whose output followed OpenVINO's version (import@ asks OpenVINO which ops it can
+        run) would rerun, and rebuild every engine after it, whenever a host image updates one target."""
+        return [d for d in distributions(closure([self.module])[1]) if d not in self.probes]
 
     def param_values(self, cfg: Config, key: str | None) -> dict[str, Any]:
         out = {}

@@ -6,7 +6,9 @@ so calibrate@, quantize@, compile@, validate@ and bench@ treat it like an export
 that change no value, weight-only nodes folded to FP32, the declared input size and layout and the role's output
 rank checked (an NHWC input gets a Transpose in front), a fixed batch of 1 made dynamic, strict shape inference, the
 op inventory recorded, every ONNX target the model has engines for asked which ops it cannot run
-(pipeline/opsupport.py: any → one error naming them per target); then the same parity gate as export@ (params
+(pipeline/opsupport.py: any → one error naming them per target; the answers and the versions asked go to the run's
+record, never into the output: a portable stage must not follow one target's toolchain, and a target that loses an
+op after an upgrade fails in its own compile@); then the same parity gate as export@ (params
 `export.parity`) against golden@<model> — ONNX Runtime on the original file with graph optimizations off.
 """
 
@@ -43,6 +45,7 @@ STAGE = stage.Stage(
     dynamic=lambda cfg, key: roles.modules(cfg.model(key).samples),
     outs=lambda cfg, key: [stage.Out(paths.export(key).as_posix())],
     portable=True,
+    probes=("openvino",),               # opsupport asks it; the answer goes to the run's record, not the manifest
     help="import a model delivered as ONNX: check its pins, make it runnable, prove parity with its golden outputs")
 
 
@@ -92,7 +95,6 @@ def run(cfg: Config, model_name: str, root: Path = Path(".")) -> ImportResult:
         results = {"parity": {k: (round(v, 9) if isinstance(v, float) else v) for k, v in par.items()},
                    "parity_limits": {"max_abs": max_abs, "min_cosine": ecfg.parity.min_cosine},
                    "ops": ops, "nodes": sum(ops.values()), "outputs": shapes, "import": report,
-                   "op_support": support,
                    "bytes": {"source": src.stat().st_size, "imported": onnx_path.stat().st_size}}
         write_manifest(d, build_manifest(
             kind="onnx", name=model_name, model=model_name, precision="fp32", directory=d, files=[onnx_path],
@@ -109,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(args, run_) -> int:
         t0 = time.perf_counter()
+        from pipeline.toolchain import versions
+
         r = run(args.cfg, args.key)
+        run_.record["op_support"] = {"answers": r.support, "asked": versions(*STAGE.probes)}
         rep = r.report
         print(f"import@{args.key}: {r.onnx_path} ({r.onnx_path.stat().st_size / 1e6:.1f} MB, "
               f"{sum(r.ops.values())} nodes, opset {rep['opset']}) in {time.perf_counter() - t0:.1f} s")
