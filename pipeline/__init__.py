@@ -11,3 +11,9 @@ __version__ = "0.1.0"
 _RUNTIME = str(_Path(__file__).resolve().parents[1] / "runtime")
 if _Path(_RUNTIME, "kiln_runtime").is_dir() and _RUNTIME not in _sys.path:
     _sys.path.insert(1 if _sys.path else 0, _RUNTIME)
+
+# A portable stage (pipeline/portable.py) run as `python -m pipeline.stages.<stage>` starts again on the portable
+# float kernels here, before its module's imports.
+from pipeline import portable as _portable  # noqa: E402
+
+_portable.relaunch_early()

@@ -17,9 +17,11 @@ int8 kernels (which differ with VNNI). Checked with `kiln rebuild-check --cpu EP
 stage under qemu-user with a Zen 2's CPUID (AVX2, no AVX-512) — docs/reproducibility.md has what it found.
 
 NumPy and OpenBLAS read their settings when they load, so a stage process that starts without them starts again
-with them (`pin`: one exec, before any work). Used as a library in a process that did not start that way (a test
-calling `run()`), a stage computes on the host's kernels, and its manifest says so (`kernels()`). The cost is
-speed — these stages run on small sets (≈ 1–10 s each).
+with them (`pin`: one exec, before any work). `python -m pipeline.stages.<portable stage>` (how dvc.yaml runs them)
+execs from `pipeline/__init__.py` before the stage module's imports (`relaunch_early`): the first process would
+otherwise load PyTorch only to throw it away, ≈ 1.5 s of each of these stages on a 2-core host. Used as a library in
+a process that did not start that way (a test calling `run()`), a stage computes on the host's kernels, and its
+manifest says so (`kernels()`). The cost is speed — these stages run on small sets (≈ 1–10 s each).
 """
 
 from __future__ import annotations
@@ -33,38 +35,68 @@ from pipeline.errors import KilnError
 ENV = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE",
        "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR", "OPENBLAS_CORETYPE": "Nehalem"}
 PORTABLE = "portable: ATen default, oneDNN ≤ SSE4.1, MKL CBWR compatible, NumPy x86-64-v2, OpenBLAS Nehalem"
+# The modules of the portable stages under pipeline/stages/ (`Stage.portable`; a test checks this against the
+# declarations): known here, by name, so that `relaunch_early` can exec before a stage module is imported.
+STAGE_PACKAGE = "pipeline.stages"
+MODULES = frozenset({"dataset", "golden", "export", "program", "import_", "calibrate", "quantize"})
+
+
+def _run_module() -> str | None:
+    """The module this interpreter was started to run (`python [options] -m <module>`), else None."""
+    argv = sys.orig_argv[1:]
+    for i, a in enumerate(argv[:-1]):
+        if a == "-m":
+            return argv[i + 1]
+        if a == "-c" or not a.startswith("-") and (i == 0 or argv[i - 1] not in ("-X", "-W")):
+            return None                 # a command or a script comes first
+    return None
 
 
 def _launched_as(module: str) -> bool:
     """Whether this process is the stage's own program (`python -m <module>` or the `kiln` command), not a library
     user such as pytest."""
     argv = sys.orig_argv[1:]
-    return argv[:2] == ["-m", module] or (bool(argv) and Path(argv[0]).name == "kiln")
+    return _run_module() == module or (bool(argv) and Path(argv[0]).name == "kiln")
+
+
+def _pinned_env() -> bool:
+    return all(os.environ.get(k) == v for k, v in ENV.items())
+
+
+def _relaunch() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **ENV})
+
+
+def relaunch_early() -> None:
+    """Called by `pipeline/__init__.py`: a process started as `python -m <a portable stage's module>` without `ENV`
+    starts again with it at once, before the stage module (and PyTorch) load. Anything else: nothing happens."""
+    package, _, name = (_run_module() or "").rpartition(".")
+    if package == STAGE_PACKAGE and name in MODULES and not _pinned_env():
+        _relaunch()
 
 
 def pin(module: str) -> None:
     """Make this stage process compute on the portable kernels: start it again with `ENV` unless it has it (the
     exec happens before any work: nothing is written twice). A library user keeps the host's kernels."""
-    if any(os.environ.get(k) != v for k, v in ENV.items()):
-        if not _launched_as(module):
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **ENV})
-    import torch
-
-    if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
-        raise KilnError("the portable kernel settings did not take (PyTorch still dispatches on this CPU's ISA)",
-                        f"unset ATEN_CPU_CAPABILITY overrides, then rerun: python -m {module}")
+    if not _pinned_env() and _launched_as(module):
+        _relaunch()
 
 
 def kernels() -> str:
-    """What the float kernels of this process are: the portable set, or the host's (named by its capability)."""
-    import torch
-
-    cap = torch.backends.cpu.get_cpu_capability()
-    pinned = cap == "DEFAULT" and all(os.environ.get(k) == v for k, v in ENV.items())
-    return PORTABLE if pinned else f"host: ATen {cap}"
+    """What the float kernels of this process are: the portable set, or the host's (named by its capability).
+    PyTorch is asked only when this process loaded it (a stage that never ran a PyTorch kernel has none to name);
+    with `ENV` set and PyTorch still dispatching on the CPU's ISA, the settings did not take: an error."""
+    cap = "DEFAULT"
+    if "torch" in sys.modules:
+        cap = sys.modules["torch"].backends.cpu.get_cpu_capability()
+    if not _pinned_env():
+        return f"host: ATen {cap}" if "torch" in sys.modules else "host: float kernels of this CPU"
+    if cap != "DEFAULT":
+        raise KilnError("the portable kernel settings did not take (PyTorch still dispatches on this CPU's ISA "
+                        f"{cap})", "unset ATEN_CPU_CAPABILITY overrides, then rerun the stage")
+    return PORTABLE
 
 
 def ort_session(model):

@@ -3,10 +3,12 @@ user of a portable stage keeps the host's kernels and its manifest says so."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 from conftest import REPO
+from pipeline import portable
 from pipeline.dagtools.lockdiff import classify, classify_all, isa, render
 
 FP = "artifacts/toolchain/ort-cpu.yaml"
@@ -66,3 +68,33 @@ def test_a_library_user_keeps_the_host_kernels_and_is_told_so():
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["None", "host"], r.stdout
+
+
+def test_the_portable_modules_list_is_the_declarations():
+    """pipeline/__init__.py relaunches a portable stage by its module's name before importing it, from
+    `portable.MODULES`: a portable stage missing there would still be pinned (by `pin`), one kernel load later."""
+    from pipeline import portable
+    from pipeline.dagtools import catalog
+
+    declared = {catalog.load(d).module for d in catalog.declared() if catalog.load(d).portable}
+    assert declared == {f"{portable.STAGE_PACKAGE}.{m}" for m in portable.MODULES}
+
+
+def test_a_portable_stage_relaunches_before_it_imports_pytorch():
+    """`python -m pipeline.stages.golden` execs with the portable settings before the stage module (and PyTorch)
+    load: the first process imports only `pipeline` (≈ 1.5 s of PyTorch per portable stage otherwise). Read from
+    `-X importtime`, which both processes write: each ends its start-up with the `site` import's line."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline.stages.golden", "--help"],
+                       capture_output=True, text=True, cwd=REPO, env={k: v for k, v in os.environ.items()
+                                                                      if k not in portable.ENV})
+    assert r.returncode == 0, r.stderr[-2000:]
+    processes = [[]]
+    for line in r.stderr.splitlines():
+        processes[-1].append(line)
+        if line.rstrip().endswith("| site"):
+            processes.append([])
+    processes = processes[1:]           # what each process imported after its start-up
+    assert len(processes) == 2, f"{len(processes)} processes"
+    first = " ".join(processes[0])
+    assert "pipeline.portable" in first and "torch" not in first and "pipeline.stages" not in first
+    assert "torch" in " ".join(processes[1])
