@@ -133,6 +133,16 @@ def reports(root: Path = Path(".")) -> Path:
     return _under(root, "reports")
 
 
+def precision(key: str, root: Path = Path(".")) -> Path:
+    """debug-precision@<model>-<recipe>: layers.json (SNR per layer) + manifest."""
+    return reports(root) / "precision" / slug(key, "model-recipe")
+
+
+def summary(root: Path = Path(".")) -> Path:
+    """The build's summary (summary.md + summary.json): the last stage of the default DAG."""
+    return reports(root) / "summary"
+
+
 def records(root: Path = Path(".")) -> Path:
     """Per-run records (commit, host, timings): beside the DVC outputs, never inside one, never cached."""
     return _under(root, "records")

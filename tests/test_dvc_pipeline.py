@@ -60,6 +60,10 @@ def test_repro_builds_then_reruns_nothing(repo):
     verify = kiln(repo, "verify", "artifacts")
     assert verify.returncode == 0, verify.stdout[-3000:]
     assert "validation" in verify.stdout and "registry" in verify.stdout and "bench" in verify.stdout
+    # the root dvc.yaml's last stage read every registration: its page names each engine, and every gate passed
+    summary = (repo / "artifacts/reports/summary/summary.md").read_text(encoding="utf-8")
+    engines = yaml.safe_load((repo / "params.yaml").read_text())["engines"]
+    assert "Every gate passed." in summary and all(f"| {e} " in summary for e in engines), summary
 
 
 @pytest.mark.slow

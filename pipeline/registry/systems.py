@@ -300,7 +300,8 @@ def prove_system(reg: Registry, name: str, version: int,
     if v.verdict.get("verdict") != "pass":
         raise GateFailed(f"{name} v{version}: its stored system verdict is {str(v.verdict.get('verdict'))[:40]!r}, "
                          f"not 'pass' ({'; '.join(v.verdict.get('failures') or [])[:300]}); refusing to promote",
-                         "fix the system, gate it again (dvc repro system@NAME), register and promote that version")
+                         f"fix the system, gate it again (dvc repro {address('system@NAME')}), register and "
+                         "promote that version")
     parts = {}
     for p in v.parts:
         params = reg.client.get_run(reg.version(p.registered_model, p.version).run_id).data.params

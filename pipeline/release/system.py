@@ -51,6 +51,7 @@ from kiln_runtime.release import gallery_sha256 as _gallery_sha256
 from kiln_runtime.release import verified as runtime_verified
 from pipeline import config as C
 from pipeline import paths
+from pipeline.dvcfiles import address
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import build_manifest, identity_digest, json_bytes, manifest_path, read_verified
 from pipeline.release import attestation, signing
@@ -276,7 +277,8 @@ def _enrol(tree: Path, v, dcfg: Config, root: Path) -> dict[str, Any]:
     if enrol_id != described.get("enrolment_xxh3_128"):
         raise GateFailed(f"{mpath}: identity {enrol_id}, but system {system} was gated with enrolment set "
                          f"{described.get('enrolment_xxh3_128')}", "restore the set the system was gated with "
-                         "(dvc checkout), or gate the system again (dvc repro system@NAME) and register it")
+                         f"(dvc checkout), or gate the system again (dvc repro {address(f'system@{system}')}) and "
+                         "register it")
     dirs = {p.model: tree / ENGINES_DIR / p.engine for p in v.parts}
     made = System.from_dirs(dcfg, system, dirs, {p.model: p.engine for p in v.parts}, system)
     made.enroll(root)

@@ -29,10 +29,6 @@ BATCH = 16
 LAYERS_FILE = "layers.json"
 
 
-def directory(key: str, root: Path = Path(".")) -> Path:
-    return paths.reports(root) / "precision" / paths.slug(key, "model-recipe")
-
-
 STAGE = stage.Stage(
     "debug-precision", "pipeline.stages.debug_precision",
     "layer-wise FP32 vs INT8 report of a quantized model on its golden feed (SNR per layer, first bad layer)",
@@ -42,10 +38,10 @@ STAGE = stage.Stage(
                            *samples.deps(cfg, pairs(cfg)[key][0], "golden")],
     params=lambda cfg, key: [f"quantize.recipes.{pairs(cfg)[key][1]}", *samples.params(cfg, pairs(cfg)[key][0])],
     dynamic=lambda cfg, key: roles.modules(cfg.model(pairs(cfg)[key][0]).samples),
-    outs=lambda cfg, key: [stage.Out((directory(key) / LAYERS_FILE).as_posix(), kind="plots",
+    outs=lambda cfg, key: [stage.Out((paths.precision(key) / LAYERS_FILE).as_posix(), kind="plots",
                                      plot={"template": "linear", "x": "depth", "y": "snr_db",
                                            "title": "INT8 vs FP32: SNR (dB) of each layer by depth"}),
-                           stage.Out(manifest_path(directory(key), key).as_posix())],
+                           stage.Out(manifest_path(paths.precision(key), key).as_posix())],
     help="layer-wise FP32 vs INT8 report of a quantized model (SNR per layer, first bad one)")
 
 
@@ -64,7 +60,7 @@ def run(cfg: Config, key: str, root: Path = Path(".")) -> PrecisionReport:
     c = compare.compare(fp32_dir / paths.ONNX_FILE, int8_dir / paths.ONNX_FILE,
                         samples.stream(cfg, model, "golden", root, BATCH), MIN_SNR_DB, threads=1, model=model)
     doc = c.to_json()
-    d = directory(key, root)
+    d = paths.precision(key, root)
     d.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(d / LAYERS_FILE, json_bytes(doc["layers"]))       # a list of rows: DVC plots reads it as is
     write_manifest(d, build_manifest(
