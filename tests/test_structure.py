@@ -354,8 +354,9 @@ def test_a_package_bump_reruns_only_the_stages_whose_code_uses_it(declared):
 def test_a_plain_dvc_repro_reaches_every_stage(declared):
     """`dvc repro` (scripts/run.sh) reproduces the root dvc.yaml and what its stages depend on. So a stage in a group
     file (dag/<group>/dvc.yaml) must be upstream of another stage: an output of it is another stage's dependency.
-    A group nothing depends on (a report, a registration, a benchmark) belongs in the root file
-    (pipeline/dvcfiles.py ROOT_GROUPS), or the full default DAG silently never runs it."""
+    A group nothing depends on (a registration, a benchmark) must be read by the build's summary
+    (pipeline/report/summary.py) or sit in the root file (pipeline/dvcfiles.py ROOT_GROUPS, the reports), or the
+    full default DAG silently never runs it."""
     def feeds(out: str, dep: str) -> bool:
         return dep == out or dep.startswith(out + "/") or out.startswith(dep + "/")
 
@@ -663,6 +664,9 @@ COVERED_THROUGH = {
     "pipeline/quant/contract.py": "tests/quant/test_calibrate_quantize.py",
     "pipeline/registry/receipts.py":
         "tests/registry/test_registry.py::test_register_is_idempotent_and_new_bytes_make_a_new_candidate",
+    "pipeline/release/golden_samples.py":
+        "tests/release/test_system_release.py::"
+        "test_a_host_with_another_runtime_is_refused_unless_the_golden_check_passes_there",
     "pipeline/release/attestation.py":
         "tests/release/test_release.py::test_release_is_deterministic_signed_recorded_and_verifies_offline",
     "pipeline/release/content.py": "tests/release/test_release.py::test_every_tampering_fails_naming_the_item",

@@ -57,7 +57,7 @@ def run(args) -> int:
     key = Path(args.key) if args.key else Path(f"{signing.key_path(None)}.pub")
     private = signing.key_path(args.signing_key) if channel else None         # before the registry is asked
     archive = Path(args.archive)
-    with system_release.verified(archive, key) as (tree, checked):
+    with system_release.verified(archive, key, runtime=False) as (tree, checked):         # publishes, runs nothing
         if not runtime_release.is_system_release(tree):
             raise GateFailed(f"{archive}: an engine release, not a system release", "push what `kiln release "
                              "--system NAME` wrote: the deployable unit kiln-run pulls")

@@ -14,6 +14,8 @@ verdict); `<R>` = `kiln-system-<name>-v<version>`:
       gallery/              embeddings.npy + labels.json: the golden set's un-augmented chips (what `System.enroll`
                             enrols) embedded by the system's own embedder engine, and a manifest whose inputs are
                             that engine's manifest (its pin) and the enrolment set's identity (system.json's)
+      golden/<engine>/      a few golden inputs of each engine and what its gated runtime gave for them
+                            (kiln_runtime/golden.py): what --allow-runtime-drift checks on another runtime
       lockfiles.json        sha256 of the releasing checkout's lockfiles
       slsa-provenance.json  in-toto Statement v1 / SLSA Provenance v1 (pipeline/release/attestation.py); subjects: every
                             file above but the three top documents
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field, StrictInt, StrictStr
 
+from kiln_runtime import requirements
 from kiln_runtime.release import (CONFIG_FILE, EMBEDDINGS, ENGINES_DIR, GALLERY_DIR, LABELS, SCHEMA,  # noqa: F401
                                   SYSTEM_DIR, SYSTEM_FILE, TOP_DOCS, Deployed, check_gallery, check_system,
                                   is_system_release, load, read_doc, system_content, writing)
@@ -54,7 +57,7 @@ from pipeline import paths
 from pipeline.dvcfiles import address
 from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import build_manifest, identity_digest, json_bytes, manifest_path, read_verified
-from pipeline.release import attestation, signing
+from pipeline.release import attestation, golden_samples, signing
 from pipeline.release import engine as release
 
 if TYPE_CHECKING:
@@ -161,6 +164,7 @@ def build(cfg: Config, system: str, ref: str = "production", root: Path = Path("
             values = v.manifest["params"]["values"]
             release.write_json(tree / CONFIG_FILE, values)
             gallery = _enrol(tree, v, deploy_config(values, tree / CONFIG_FILE), root)
+            goldens = golden_samples.write(cfg, tree, parts, root)
             re_enrolled = _check_re_enrolment(reg, name, version, gallery, tree / GALLERY_DIR)
             doc = {"schema": SCHEMA, "kind": "system", "registered_model": name, "version": version, "system": system,
                    "artifact": systems.PREFIX + system,
@@ -168,7 +172,7 @@ def build(cfg: Config, system: str, ref: str = "production", root: Path = Path("
                    "system_manifest_xxh3_128": identity_digest(v.manifest),
                    "system_sha256": system_content(system, v.manifest, v.parts),
                    "verdict": v.verdict.get("verdict"), "parts": parts, "config": CONFIG_FILE, "gallery": gallery,
-                   "gallery_compat": _compat(reg, name, version, re_enrolled)}
+                   "gallery_compat": _compat(reg, name, version, re_enrolled), "golden": goldens}
             payload = _payload(tree)
             lockfiles = attestation.lockfiles()
             release.write_json(tree / "release.json", doc)
@@ -201,7 +205,8 @@ def _stage_parts(v, proven: dict, tree: Path) -> list[dict[str, Any]]:
         for f in sorted((ev.directory / KILN_DIR).iterdir()):
             release.copy_file(f, edir / KILN_DIR / f.name)
         parts.append({**asdict(p), "dir": f"{ENGINES_DIR}/{p.engine}",
-                      "validation_manifest_xxh3_128": ev.params[PARAM + "validation_manifest_xxh3_128"]})
+                      "validation_manifest_xxh3_128": ev.params[PARAM + "validation_manifest_xxh3_128"],
+                      "runtime": requirements.of_engine(ev.manifest)})
     return parts
 
 
@@ -373,10 +378,10 @@ def check_any(tree: Path, signed_name: str) -> list[str]:
     return (check_content if is_system_release(tree) else release_content.check_content)(tree, signed_name)
 
 
-def verified(archive: Path, public_key: Path):
+def verified(archive: Path, public_key: Path, runtime: bool = True):
     """kiln_runtime.release `verified` of a release of either kind: a context yielding (the signed tree, what was
-    checked)."""
-    return runtime_verified(archive, public_key, check_any)
+    checked); `runtime`: check a system release's engines against this host's runtime (not for `kiln push`)."""
+    return runtime_verified(archive, public_key, check_any, runtime=runtime)
 
 
 def verify(archive: Path, public_key: Path) -> list[str]:

@@ -94,7 +94,8 @@ def _source(args):
 def cmd_verify(args) -> int:
     from kiln_runtime import release
 
-    with _source(args) as archive, release.verified(archive, Path(args.key)) as (_, checked):
+    with _source(args) as archive, \
+            release.verified(archive, Path(args.key), allow_drift=args.allow_runtime_drift) as (_, checked):
         for line in checked:
             print(f"ok  {line}")
     print(f"verified: {args.archive}")
@@ -107,7 +108,8 @@ def cmd_identify(args) -> int:
     from kiln_runtime.text import shown
 
     rgbs = _photos(args.photos)                       # a bad photo is refused before anything is extracted
-    with _source(args) as archive, release.verified(archive, Path(args.key)) as (tree, checked):
+    with _source(args) as archive, \
+            release.verified(archive, Path(args.key), allow_drift=args.allow_runtime_drift) as (tree, checked):
         d = release.load(tree, checked)
         if args.gallery:                                # the live gallery's people, not the release's
             from kiln_runtime.gallery import binding_of
@@ -144,7 +146,7 @@ def cmd_serve(args) -> int:
                         args.max_pixels, args.request_timeout, Bounds(args.header_timeout, args.body_timeout,
                                                                       args.max_connections, args.keep_alive),
                         args.drain_delay, args.graceful_timeout, Path(args.gallery) if args.gallery else None, token,
-                        args.auth_reads)
+                        args.auth_reads, args.allow_runtime_drift)
     with _source(args) as archive:
         return serve(archive, Path(args.key), settings)
 
@@ -206,7 +208,8 @@ def cmd_bench(args) -> int:
     from kiln_runtime.host import host_class
 
     host = host_class()
-    with _source(args) as archive, release.verified(archive, Path(args.key)) as (tree, checked):
+    with _source(args) as archive, \
+            release.verified(archive, Path(args.key), allow_drift=args.allow_runtime_drift) as (tree, checked):
         d = release.layout(tree)                  # the workers load the engines; this process only names the release
         label = f"{d.name} v{d.version}"
         inproc = loadtest.sweep(plan, label, "kiln_runtime.release:release_system", {"tree": str(tree)}, feed,
@@ -343,6 +346,12 @@ def _positive(kind: type, low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
+def drift_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-runtime-drift", action="store_true", help="run engines whose runtime on this host is "
+                   "outside the release's requirement (another version, another host class) — each only after its "
+                   "golden check passes here, on the samples the release carries")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kiln_runtime.images import WIRE_MAX_PIXELS
 
@@ -355,13 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("archive", help="the system release archive (kiln-system-NAME-vN.tar.gz), or an OCI reference "
                        "HOST[:PORT]/PATH/NAME:TAG or …@sha256:DIGEST (pulled and verified first)")
         key_args(p)
+        drift_arg(p)
 
     def key_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--key", required=True, help="the publisher's public key (KEY.pub, from kiln keygen)")
         p.add_argument("--plain-http", action="store_true", help="a registry reference over plain HTTP, not TLS "
                        "(credentials: KILN_OCI_USERNAME / KILN_OCI_PASSWORD or the docker config file)")
 
-    p = sub.add_parser("verify", help="verify a release offline: signature, then every content check")
+    p = sub.add_parser("verify", help="verify a release offline: signature, every content check, and that this "
+                       "host's runtime may run its engines")
     release_args(p)
     p.set_defaults(func=cmd_verify)
 

@@ -50,7 +50,7 @@ def _system(args) -> Iterator:
 
     with oci.local(args.release, Path(args.key), args.plain_http,
                    progress=lambda m: print(m, file=sys.stderr, flush=True)) as archive, \
-            release.verified(archive, Path(args.key)) as (tree, _):
+            release.verified(archive, Path(args.key), allow_drift=args.allow_runtime_drift) as (tree, _):
         yield tree, release.load(tree).system
 
 
@@ -73,7 +73,7 @@ def cmd_init(args) -> int:
 
     actor = _actor(args)
     with oci.local(args.release, Path(args.key), args.plain_http) as archive, \
-            release.verified(archive, Path(args.key)) as (tree, _):
+            release.verified(archive, Path(args.key), runtime=False) as (tree, _):      # binds, runs no engine
         lay = release.layout(tree)
         seed = None
         if not args.empty:
@@ -241,6 +241,8 @@ def add_parser(sub) -> None:
                        "reference) whose embedder the store is bound to")
         p.add_argument("--key", required=True, help="the publisher's public key (KEY.pub)")
         p.add_argument("--plain-http", action="store_true", help="a registry reference over plain HTTP")
+        p.add_argument("--allow-runtime-drift", action="store_true", help="run its engines on a runtime outside the "
+                       "release's requirement, after their golden check passes here")
 
     p = cmds.add_parser("init", help="a new store bound to the release's embedder, with the release's own people")
     store(p)

@@ -6,11 +6,14 @@ release another kiln gated).
 `<R>` = `kiln-system-<name>-v<version>`:
 
     <R>/
-      release.json          what this is: system, version, content digests, the parts, the gallery, gallery-compat
+      release.json          what this is: system, version, content digests, the parts (each with the runtime
+                            it requires: kiln_runtime/requirements.py), the gallery, gallery-compat, golden
       system/               system.json, verdict.json, their manifest, kiln/parts.json (the pins), as registered
       engines/<engine>/     each part as registered (files, manifest, kiln/: validation manifest, verdict …)
       config/params.json    the params slice system@ gated with (its manifest's params.values, same digest)
       gallery/              embeddings.npy + labels.json, and a manifest whose inputs are the pinned embedder's manifest
+      golden/<engine>/      a few golden inputs of each engine and what its gated runtime gave for them
+                            (kiln_runtime/golden.py): what --allow-runtime-drift checks on another runtime
       lockfiles.json        sha256 of the releasing checkout's lockfiles
       slsa-provenance.json  in-toto Statement v1 / SLSA Provenance v1; subjects: every file above but the top documents
     <R>.sig                 the model-signing bundle over <R>/ (kiln_runtime/signature.py verifies it)
@@ -37,7 +40,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 from numpy.lib import format as npy
 
-from kiln_runtime import runners, signature
+from kiln_runtime import golden, requirements, runners, signature
 from kiln_runtime.archive import safe_extract
 from kiln_runtime.digests import (artifact_digest, canonical_json, check_files, identity_digest, manifest_path,
                                   params_digest, read_manifest, sha256_file)
@@ -207,6 +210,9 @@ def check_system(tree: Path, signed_name: str) -> list[str]:
                         f"{p.xxh3_128}")
         if artifact_digest(em) != p.sha256:
             raise _fail(erel, "content digest differs from the registered one the system version pins")
+        if "runtime" in entry and entry["runtime"] != requirements.of_engine(em):
+            raise _fail("release.json", f"part {p.model}: its runtime requirement is not what its engine manifest "
+                        "records")
         vrel = f"{ENGINES_DIR}/{p.engine}/kiln/{p.engine}.manifest.json"
         vm = manifest_of(tree / vrel, vrel)
         if check_files(tree / vrel, vm) or identity_digest(vm) != entry.get("validation_manifest_xxh3_128"):
@@ -378,12 +384,59 @@ def _declared_files(tree: Path, system: str, parts) -> None:
         edir = f"{ENGINES_DIR}/{p.engine}"
         want |= listed(f"{edir}/{p.engine}.manifest.json") | listed(f"{edir}/kiln/{p.engine}.manifest.json")
         optional |= {f"{edir}/kiln/{BENCH_FILE}", f"{edir}/kiln/{RECORD_FILE}"}
+    want |= golden_files(tree)
     have = {q.relative_to(tree).as_posix() for q in tree.rglob("*") if not q.is_dir()}
     if extra := sorted(have - want - optional):
         raise _fail(shown(extra[0], 200), "not a file this system release declares (its manifests, pins and "
                     "documents)" + (f"; {len(extra) - 1} more" if len(extra) > 1 else ""))
     if missing := sorted(want - have):
         raise _fail(shown(missing[0], 200), "declared but not in the release")
+
+
+def golden_files(tree: Path) -> set[str]:
+    """The golden samples' files release.json lists (none in a release made before they existed)."""
+    doc = read_doc(tree / "release.json", "release.json") or {}
+    entry = doc.get("golden") or {}
+    engines = entry.get("engines") or {}
+    if not isinstance(engines, dict) or not all(isinstance(e, dict) and isinstance(e.get("files"), list)
+                                                for e in engines.values()):
+        raise _fail("release.json", "its golden entry is not a list of files per engine")
+    return {f"{golden.DIR}/{slug(name, 'engine')}/{Path(str(f)).name}" for name, e in engines.items()
+            for f in e["files"]}
+
+
+# ---------------------------------------------------------------------------------------------- the host's runtime
+def runtime_gate(tree: Path, allow_drift: bool = False) -> list[str]:
+    """Each engine's runtime requirement (release.json's, else derived from its signed manifest: a release made
+    before requirements were written) against this host. Outside it: KilnError naming both sides — unless
+    `allow_drift`, which re-runs that engine's golden check here first (GateFailed when it does not hold)."""
+    doc = json.loads((tree / "release.json").read_bytes())
+    described = json.loads((tree / SYSTEM_DIR / SYSTEM_FILE).read_bytes())
+    limits = {**golden.LIMITS, **((doc.get("golden") or {}).get("limits") or {})}
+    done, drifted = [], []
+    for part in doc["parts"]:
+        engine = str(part["engine"])
+        req = part.get("runtime") or requirements.of_engine(
+            json.loads((tree / part["dir"] / manifest_path(Path(""), engine)).read_bytes()))
+        if found := requirements.drifts(req):
+            drifted.append((part, req, found))
+        elif not req.get("allowed"):
+            done.append(f"runtime: {engine} — no runtime requirement recorded for target {req.get('target')}")
+        else:
+            done.append(f"runtime: {engine} — {req['package']} {requirements.installed(req['package'])} within "
+                        f"{req['allowed']}" + (f", host class {req['host_class']}" if req.get("host_class") else ""))
+    if drifted and not allow_drift:
+        part, req, found = drifted[0]
+        more = f" (and {len(drifted) - 1} more engine(s))" if len(drifted) > 1 else ""
+        raise KilnError(f"engine {part['engine']}: {'; '.join(found)}{more}",
+                        f"install the release's runtime: pip install -r the kiln-runtime lockfile ({req.get('package')}"
+                        f"{req.get('allowed') or ''}), or pass --allow-runtime-drift to re-run its golden check on "
+                        "this host first")
+    for part, req, found in drifted:
+        target = str((described.get("engines") or {}).get(part["model"], {}).get("target") or req.get("target"))
+        line = golden.check(tree, part, target, limits)
+        done.append(f"runtime drift allowed: {part['engine']} — {'; '.join(found)}; {line.split(': ', 1)[1]}")
+    return done
 
 
 @contextmanager
@@ -402,11 +455,13 @@ def writing(scratch: Path) -> Iterator[None]:
 
 
 @contextmanager
-def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[str]] = check_system
-             ) -> Iterator[tuple[Path, list[str]]]:
+def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[str]] = check_system,
+             allow_drift: bool = False, runtime: bool = True) -> Iterator[tuple[Path, list[str]]]:
     """Verify a release archive offline and yield (the signed tree, extracted in a private temporary folder, what was
     checked); the folder is removed on exit. `check(tree, signed name)` checks the content once the signature holds
-    (a system release's by default; the build passes one that reads engine releases too)."""
+    (a system release's by default; the build passes one that reads engine releases too). A system release's
+    engines must then be runnable by this host's runtime (`runtime_gate`; `allow_drift`: after their golden check);
+    `runtime=False` skips that for a command that only places the archive (`kiln-run pull`)."""
     archive, public_key = Path(archive), Path(public_key)
     if not archive.is_file():
         raise KilnError(f"{archive}: no such release archive", "pass the .tar.gz that `kiln release` wrote")
@@ -435,6 +490,8 @@ def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[
         except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as e:   # signed, not Kiln's layout
             raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: "
                              f"{signature.one_line(str(e), 200)})", "do not use this release") from None
+        if runtime and is_system_release(tree):
+            done += runtime_gate(tree, allow_drift)
         yield tree, done
 
 

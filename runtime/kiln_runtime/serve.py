@@ -77,6 +77,7 @@ class Settings:
     gallery: Path | None = None              # a live gallery store (made from the release's gallery if missing)
     token: bytes | None = None               # the bearer token gallery writes need (None: writes refused)
     auth_reads: bool = False                 # gallery reads and identify need it too
+    allow_runtime_drift: bool = False        # engines outside their runtime requirement, after their golden check
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -326,7 +327,8 @@ def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
                         f"(ulimit -n {needed})")
     metrics = Metrics()
     live: dict = {}
-    with release.verified(archive, key) as (tree, checked), _listening(host, settings.port) as sock:
+    with release.verified(archive, key, allow_drift=settings.allow_runtime_drift) as (tree, checked), \
+            _listening(host, settings.port) as sock:
         info = release_info(tree, archive)            # refused here, in one line, before any worker starts
         store = None if settings.gallery is None else open_gallery(settings.gallery, tree, info, say)
         threads = max(1, _cores() // settings.workers)

@@ -8,6 +8,7 @@ registered, promoted and released once per module.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kiln_runtime import release as runtime_release
@@ -82,8 +84,10 @@ def test_system_release_is_byte_identical_and_verifies(released, tmp_path, capsy
     assert again.archive.read_bytes() == r.archive.read_bytes() and again.sha256 == r.sha256 and not again.new
 
     done = system_release.verify(r.archive, pub)
-    assert len(done) == 6 and done[0].startswith("signature: ")
     pins = json.loads((paths.system(SYSTEM, root) / paths.SYSTEM_FILE).read_text())["engines"]
+    assert len(done) == 6 + len(pins) and done[0].startswith("signature: ")
+    runtime = [d for d in done if d.startswith("runtime: ")]           # this host runs what each engine was gated on
+    assert sorted(d.split(" — ")[0] for d in runtime) == sorted(f"runtime: {e['engine']}" for e in pins.values())
     engines_line = next(d for d in done if d.startswith("engines: 5,"))
     assert all(f"{e['engine']} {e['xxh3_128'][:8]}" in engines_line for e in pins.values())
     assert any(d.startswith(f"gallery: 6 enrolment embeddings × 128 of 4 identities, made by {INT8}") for d in done)
@@ -110,7 +114,7 @@ def test_system_release_is_byte_identical_and_verifies(released, tmp_path, capsy
     assert cli.main(["release", "--system", SYSTEM, "--key", str(released["key"]), "--out", str(tmp_path)]) == 0
     assert f"{NAME} v1 → {tmp_path / r.archive.name}  sha256 {r.sha256}" in capsys.readouterr().out
     assert cli.main(["verify-release", str(tmp_path / r.archive.name), "--key", str(pub)]) == 0
-    assert [ln[:4] for ln in capsys.readouterr().out.splitlines()] == ["ok  "] * 6 + ["veri"]
+    assert [ln[:4] for ln in capsys.readouterr().out.splitlines()] == ["ok  "] * (6 + len(pins)) + ["veri"]
     assert cli.main(["release", "--system", SYSTEM, "canary", "--key", str(released["key"])]) == 2
     err = capsys.readouterr().err
     assert "no version has the alias 'canary'" in err and f"kiln history --system {SYSTEM}" in err
@@ -172,6 +176,10 @@ def _pin(doc: list) -> None:
     next(p for p in doc if p["model"] == "embedder")["version"] = 2
 
 
+def _loosen(doc: dict) -> None:
+    next(p for p in doc["parts"] if p["model"] == "embedder")["runtime"]["allowed"] = "==1.*"
+
+
 RESIGNED = {
     "engine": (lambda t, root: _swap_engine(t, root), f"but the system version pins {INT8} at"),
     "gallery": (lambda t, root: _edit_json(t / "gallery" / f"{SYSTEM}.manifest.json", _other_embedder),
@@ -180,6 +188,8 @@ RESIGNED = {
                                           lambda d: d["models.embedder"].update(verify_threshold=0.9)),
                "not the params slice the system was gated with"),
     "pins": (lambda t, root: _edit_json(t / "system" / "kiln" / "parts.json", _pin), "not the registered content"),
+    "runtime": (lambda t, root: _edit_json(t / "release.json", _loosen), "its runtime requirement is not what its "
+                "engine manifest records"),
 }
 
 
@@ -490,6 +500,74 @@ def test_the_runtime_alone_runs_the_release_as_the_build_does(released, runtime_
         r = _run(runtime_venv, *args, cwd=tmp_path / "host")
         assert r.returncode in code and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
     assert list((tmp_path / "host").iterdir()) == []
+
+
+@slow
+def test_a_host_with_another_runtime_is_refused_unless_the_golden_check_passes_there(released, runtime_venv, tmp_path):
+    """Each engine's runtime requirement is in the signed release.json (the build's own versions), with golden
+    samples. A host whose ONNX Runtime is another release (1.31.1, installed from PyPI by its hash, ahead of the
+    runtime venv's 1.32.0) is refused by verify / identify / serve in one line naming both versions; with
+    --allow-runtime-drift each drifted engine first passes its golden check on that runtime, then identify answers
+    as on the gated runtime; a golden output that this runtime does not reproduce stops it (exit 1)."""
+    import onnxruntime
+
+    archive, pub = str(released["release"].archive), str(released["pub"])
+    tree = _tree(released["release"].archive, tmp_path / "x")
+    doc = json.loads((tree / "release.json").read_bytes())
+    assert {p["runtime"]["package"] for p in doc["parts"]} == {"onnxruntime"}, doc["parts"]
+    assert all(p["runtime"]["version"] == onnxruntime.__version__ and p["runtime"]["allowed"] ==
+               f"=={onnxruntime.__version__}" and p["runtime"]["host_class"] for p in doc["parts"])
+    assert sorted(doc["golden"]["engines"]) == sorted(p["engine"] for p in doc["parts"])
+    assert all(1 <= e["samples"] <= 8 for e in doc["golden"]["engines"].values())
+    other = tmp_path / "ort-1.31.1"
+    subprocess.run([str(runtime_venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "--no-deps", "--require-hashes", "--target", str(other), "-r",
+                    str(Path(__file__).with_name("drift-runtime.txt"))], check=True, timeout=600)
+    env = {**os.environ, "PYTHONPATH": str(other)}
+    photos = [str(p.path) for p in list_photos(released["root"] / released["cfg"].data.photos)][:2]
+    host = tmp_path / "host"
+    host.mkdir()
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(runtime_venv / "bin" / "kiln-run"), *args], cwd=host, capture_output=True,
+                              text=True, encoding="utf-8", timeout=600,
+                              env={k: v for k, v in env.items() if not k.startswith(("MLFLOW_", "KILN_"))})
+
+    for args in (["verify", archive, "--key", pub], ["identify", archive, "--key", pub, *photos],
+                 ["serve", archive, "--key", pub, "--port", "9"]):
+        r = run(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr[-2000:])
+        first = r.stderr.splitlines()[0]
+        assert f"gated with onnxruntime {onnxruntime.__version__}" in first and "this host has onnxruntime 1.31.1" \
+            in first and "--allow-runtime-drift" in r.stderr, r.stderr
+    ok = run("verify", archive, "--key", pub, "--allow-runtime-drift")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    drift = [ln for ln in ok.stdout.splitlines() if "runtime drift allowed" in ln]
+    assert len(drift) == len(doc["parts"]) and all("golden check" in ln and "cosine min" in ln for ln in drift), \
+        ok.stdout
+    same = run("identify", archive, "--key", pub, "--allow-runtime-drift", "--json", *photos)
+    gated = _run(runtime_venv, "identify", archive, "--key", pub, "--json", *photos, cwd=host)
+    assert same.returncode == 0 and gated.returncode == 0, same.stderr[-2000:] + gated.stderr[-2000:]
+    who = [[f["identity"] for f in json.loads(ln)["faces"]] for ln in same.stdout.splitlines()]
+    assert who == [[f["identity"] for f in json.loads(ln)["faces"]] for ln in gated.stdout.splitlines()]
+
+    # a golden output the drifted runtime does not reproduce (re-signed with the publisher's key): exit 1
+    emb = next(p["engine"] for p in doc["parts"] if p["model"] == "embedder")
+    out = tree / "golden" / emb / "0.out.0.npy"
+    y = np.load(out, allow_pickle=False)
+    out.unlink()
+    np.save(out, -y, allow_pickle=False)
+    rel, sha = out.relative_to(tree).as_posix(), hashlib.sha256(out.read_bytes()).hexdigest()
+    _edit_json(tree / "slsa-provenance.json", lambda st: next(x for x in st["subject"] if x["name"] == rel)
+               ["digest"].update(sha256=sha))
+    sig = tmp_path / "x" / f"{REL}{release.SIG_SUFFIX}"
+    sig.unlink()
+    signing.sign_tree(tree, sig, released["key"])
+    bad = _repack(tmp_path / "x", tmp_path / "bad.tar.gz")
+    r = run("verify", str(bad), "--key", pub, "--allow-runtime-drift")
+    assert r.returncode == 1 and f"{emb}: golden check" in r.stderr and "FAILED" in r.stderr, r.stderr[-2000:]
+    assert _run(runtime_venv, "verify", str(bad), "--key", pub, cwd=host).returncode == 0   # its own runtime: fine
+    assert list(host.iterdir()) == []
 
 
 @slow
