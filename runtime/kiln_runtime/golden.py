@@ -67,6 +67,13 @@ def record(runner, feeds: list[dict]) -> tuple[dict[str, bytes], int]:
     return files, samples
 
 
+def file_name(name: Any) -> str:
+    """A golden sample's file name as a release lists it: a plain name in its engine's folder, nothing else."""
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise GateFailed(f"golden sample file {str(name)[:100]!r} is not a plain file name", "do not use this release")
+    return name
+
+
 def _array(path: Path) -> np.ndarray:
     if path.stat().st_size > MAX_ARRAY:
         raise GateFailed(f"{path.name}: over {MAX_ARRAY >> 20} MiB; a golden sample is small",
@@ -103,9 +110,14 @@ def check(tree: Path, part: dict[str, Any], target: str, limits: dict[str, float
     runner = runners.load(target, tree / part["dir"], engine)
     cos_min, rel_max, samples = 1.0, 0.0, 0
     for row in rows:
-        feed = {name: _array(gdir / f) for name, f in row["inputs"].items()}
-        got = runner.run_all(feed)
-        c, r = compare([_array(gdir / f) for f in row["outputs"]], got)
+        feed = {str(name): _array(gdir / file_name(f)) for name, f in row["inputs"].items()}
+        try:
+            got = runner.run_all(feed)
+        except Exception as e:           # the runtime's own error type: this runtime cannot run this engine
+            raise GateFailed(f"{engine}: this host's runtime could not run its golden inputs "
+                             f"({type(e).__name__}: {str(e).strip()[:200]})", "install the release's runtime lock "
+                             "and run it again") from None
+        c, r = compare([_array(gdir / file_name(f)) for f in row["outputs"]], got)
         cos_min, rel_max = min(cos_min, c), max(rel_max, r)
         samples += int(next(iter(feed.values())).shape[0])
     said = (f"{engine}: golden check on this host's runtime, {samples} sample(s): cosine min {cos_min:.6f} "

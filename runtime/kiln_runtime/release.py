@@ -401,7 +401,10 @@ def golden_files(tree: Path) -> set[str]:
     if not isinstance(engines, dict) or not all(isinstance(e, dict) and isinstance(e.get("files"), list)
                                                 for e in engines.values()):
         raise _fail("release.json", "its golden entry is not a list of files per engine")
-    return {f"{golden.DIR}/{slug(name, 'engine')}/{Path(str(f)).name}" for name, e in engines.items()
+    parts = {str(p.get("engine")) for p in doc.get("parts") or [] if isinstance(p, dict)}
+    if stray := sorted(set(engines) - parts):
+        raise _fail("release.json", f"golden samples of {shown(stray[0], 100)}, which is not a part")
+    return {f"{golden.DIR}/{slug(name, 'engine')}/{golden.file_name(f)}" for name, e in engines.items()
             for f in e["files"]}
 
 
@@ -428,14 +431,15 @@ def runtime_gate(tree: Path, allow_drift: bool = False) -> list[str]:
     if drifted and not allow_drift:
         part, req, found = drifted[0]
         more = f" (and {len(drifted) - 1} more engine(s))" if len(drifted) > 1 else ""
-        raise KilnError(f"engine {part['engine']}: {'; '.join(found)}{more}",
+        raise KilnError(shown(f"engine {part['engine']}: {'; '.join(found)}{more}", 1000),
                         f"install the release's runtime: pip install -r the kiln-runtime lockfile ({req.get('package')}"
                         f"{req.get('allowed') or ''}), or pass --allow-runtime-drift to re-run its golden check on "
                         "this host first")
     for part, req, found in drifted:
         target = str((described.get("engines") or {}).get(part["model"], {}).get("target") or req.get("target"))
         line = golden.check(tree, part, target, limits)
-        done.append(f"runtime drift allowed: {part['engine']} — {'; '.join(found)}; {line.split(': ', 1)[1]}")
+        done.append(shown(f"runtime drift allowed: {part['engine']} — {'; '.join(found)}; {line.split(': ', 1)[1]}",
+                          1000))
     return done
 
 
@@ -491,7 +495,11 @@ def verified(archive: Path, public_key: Path, check: Callable[[Path, str], list[
             raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: "
                              f"{signature.one_line(str(e), 200)})", "do not use this release") from None
         if runtime and is_system_release(tree):
-            done += runtime_gate(tree, allow_drift)
+            try:
+                done += runtime_gate(tree, allow_drift)
+            except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as e:   # its golden samples
+                raise GateFailed(f"{tree.name}: release content is malformed ({type(e).__name__}: "
+                                 f"{signature.one_line(str(e), 200)})", "do not use this release") from None
         yield tree, done
 
 

@@ -70,3 +70,12 @@ def test_the_picked_samples_are_few_and_small():
     picked = golden.pick(feeds)
     assert len(picked) == golden.MAX_FEEDS and all(f["x"].shape[0] == golden.MAX_SAMPLES for f in picked)
     assert [f["x"].shape[2] for f in picked] == [40, 41]       # the smallest of the first 16
+
+
+@pytest.mark.parametrize("name", ["../x.npy", "a/b.npy", "", "..", 3, None])
+def test_a_golden_file_is_a_plain_name_in_its_engines_folder(name):
+    from kiln_runtime.errors import GateFailed
+
+    with pytest.raises(GateFailed):
+        golden.file_name(name)
+    assert golden.file_name("0.in.0.npy") == "0.in.0.npy"
