@@ -2,10 +2,12 @@
 
 DVC rewrites a stage's whole lock file after the stage runs (a round-trip YAML parse and dump, pure Python): with
 every stage in one dvc.lock (450 KB) that bookkeeping cost ~7 s per stage on a 2-core host, more than most stages'
-own work. So each group has its own dvc.yaml + dvc.lock under dag/, and the root dvc.yaml holds only the reports
-nothing depends on, the last of them `summary`, which reads every registration, precision report and system
-benchmark: a plain `dvc repro` reproduces the root file and everything upstream of it — the whole DAG. (The root
-file held the 46 registrations and reports until 2026-12: its 322 KB lock cost ≈ 2 s per root stage.) The
+own work. So each group has its own dvc.yaml + dvc.lock under dag/, and the root dvc.yaml holds the groups nothing
+depends on: the registrations and load sweeps (uncached outputs: a host that pulls with `--allow-missing` has no
+receipts of engines it did not register, so no stage may read them) and the reports, the last of them `summary`,
+which reads the cached outputs nothing else reads (precision reports, system gates): a plain `dvc repro`
+reproduces the root file and everything upstream of it — the whole DAG. (Until 2026-12 the root file held the
+precision reports, TensorRT audits and system gates too: 46 stages, a 322 KB lock, ≈ 2 s per root stage.) The
 always-changed probe has toolchain/dvc.yaml.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 # The groups of the root dvc.yaml, in the order it lists them.
-ROOT_GROUPS = ("fallback-table", "leaderboard", "summary")
+ROOT_GROUPS = ("register", "register-index", "sysbench", "fallback-table", "leaderboard", "summary")
 OWN_FILES = {"toolchain": "toolchain/dvc.yaml"}
 
 

@@ -354,8 +354,8 @@ def test_a_package_bump_reruns_only_the_stages_whose_code_uses_it(declared):
 def test_a_plain_dvc_repro_reaches_every_stage(declared):
     """`dvc repro` (scripts/run.sh) reproduces the root dvc.yaml and what its stages depend on. So a stage in a group
     file (dag/<group>/dvc.yaml) must be upstream of another stage: an output of it is another stage's dependency.
-    A group nothing depends on (a registration, a benchmark) must be read by the build's summary
-    (pipeline/report/summary.py) or sit in the root file (pipeline/dvcfiles.py ROOT_GROUPS, the reports), or the
+    A group nothing depends on must be read by the build's summary (pipeline/report/summary.py: cached outputs
+    only) or sit in the root file (pipeline/dvcfiles.py ROOT_GROUPS: registrations, load sweeps, reports), or the
     full default DAG silently never runs it."""
     def feeds(out: str, dep: str) -> bool:
         return dep == out or dep.startswith(out + "/") or out.startswith(dep + "/")

@@ -6,9 +6,9 @@ that imports a module it does not list as a dependency, a model whose weights ar
 model or engine without its stages); `kiln dag --write` rewrites it. scripts/run.sh writes it before `dvc repro`,
 so editing params.yaml is all it takes to add a model or an engine. `kiln deps <stage>` prints one stage's deps.
 
-Each group has its own dvc.yaml under dag/ (`dag/compile/dvc.yaml`, run from the root: `wdir: ../..`), the reports
-(leaderboard, fallback-table, and summary, which reads every registration and system benchmark) are in the root
-dvc.yaml, and the always-changed toolchain probe in
+Each group has its own dvc.yaml under dag/ (`dag/compile/dvc.yaml`, run from the root: `wdir: ../..`), the groups
+nothing depends on (registrations, load sweeps, reports; summary reads the precision reports and system gates) are
+in the root dvc.yaml, and the always-changed toolchain probe in
 toolchain/dvc.yaml (pipeline/dvcfiles.py `dvcfile`): DVC rewrites a stage's whole lock file after the stage runs, so
 small lock files keep that bookkeeping from costing more than the stages. A plain `dvc repro` reproduces the root
 dvc.yaml and everything upstream of it: the whole DAG. Stages outside the root file are addressed by their file:

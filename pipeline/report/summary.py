@@ -1,12 +1,11 @@
 """The build's summary: what the default DAG made and whether each gate let it through, on one page.
 
-One row per engine (its registration receipt, the gate verdict the receipt records, the registered model, its
-sha256, and the toolchain it was compiled with: the target's fingerprint digest, so engines built by one toolchain
-share a value and a toolchain change shows as a new one), per gallery index, per quantized model's precision
-report (the first layer below the SNR limit) and per face system (its end-to-end gate and the streams it held
-under load). Read from the files the registrations, reports and benchmarks wrote, by params: a file that is not
-there is an error naming the stage that writes it. Sustained-load figures are the sysbench run's, measured on the
-host class it names.
+One row per engine (its validation verdict, its target and precision, and the toolchain it was compiled with: the
+target's fingerprint digest, so engines built by one toolchain share a value and a toolchain change shows as a new
+one), per quantized model's precision report (the first layer below the SNR limit) and per face system (its
+end-to-end gate). Read from cached outputs only — what `dvc repro --pull` can fetch on any host — by params: a
+file that is not there is an error naming the stage that writes it. Registrations and load figures are this host's
+(uncached: receipts, sysbench) and stay in their own reports.
 """
 
 from __future__ import annotations
@@ -26,30 +25,16 @@ from pipeline.quant.qdq import pairs
 if TYPE_CHECKING:
     from pipeline.config import Config
 
-RECEIPT = "receipt.json"
-SYSBENCH = "sysbench.json"
-
-
-def receipt_file(name: str, root: Path = Path(".")) -> Path:
-    return paths.receipt(name, root) / RECEIPT
-
-
-def sysbench_file(system: str, root: Path = Path(".")) -> Path:
-    return paths.sysbench(system, root) / SYSBENCH
-
-
 def precision_file(key: str, root: Path = Path(".")) -> Path:
     return manifest_path(paths.precision(key, root), key)
 
 
 def inputs(cfg: Config) -> list[str]:
-    """Every file or folder the summary reads: the stage's deps."""
-    return [*(paths.receipt(e).as_posix() for e in cfg.engines),
+    """Every file or folder the summary reads (each a cached output, by its own path): the stage's deps."""
+    return [*(paths.validation(e).as_posix() for e in cfg.engines),
             *(paths.engine(e).as_posix() for e in cfg.engines),
-            *(paths.receipt(paths.gallery_name(s)).as_posix() for s in cfg.matching.gallery_sizes),
             *(precision_file(k).as_posix() for k in pairs(cfg)),
-            *(paths.system(s).as_posix() for s in cfg.systems),
-            *(sysbench_file(s).as_posix() for s in cfg.systems)]
+            *(paths.system(s).as_posix() for s in cfg.systems)]
 
 
 def _read(path: Path, stage: str) -> dict[str, Any]:
@@ -70,18 +55,12 @@ def collect(cfg: Config, root: Path = Path(".")) -> dict[str, list[dict]]:
     """The summary's sections as rows (summary.json)."""
     engines = []
     for e, spec in cfg.engines.items():
-        r = _read(receipt_file(e, root), f"register@{e}")
+        v = _read(manifest_path(paths.validation(e, root), e), f"validate@{e}")
         man = _read(manifest_path(paths.engine(e, root), e), f"compile@{e}")
         chain = man.get("toolchain", {}).get(f"target.{spec.target}")
         engines.append({"engine": e, "model": spec.model, "target": spec.target, "precision": spec.precision,
-                        "verdict": r.get("verdict"), "registered_model": r.get("registered_model"),
-                        "sha256": r.get("sha256"), "toolchain": fingerprint_digest(chain) if chain else None})
-    indexes = []
-    for size in cfg.matching.gallery_sizes:
-        name = paths.gallery_name(size)
-        r = _read(receipt_file(name, root), f"register-index@{size}")
-        indexes.append({"gallery": size, "verdict": r.get("verdict"), "registered_model": r.get("registered_model"),
-                        "sha256": r.get("sha256")})
+                        "verdict": (v.get("results") or {}).get("verdict"),
+                        "toolchain": fingerprint_digest(chain) if chain else None})
     precision = []
     for key, (model, recipe) in pairs(cfg).items():
         res = _read(precision_file(key, root), f"debug-precision@{key}").get("results", {})
@@ -93,43 +72,31 @@ def collect(cfg: Config, root: Path = Path(".")) -> dict[str, list[dict]]:
     systems = []
     for name in cfg.systems:
         v = _read(paths.system(name, root) / paths.VERDICT_FILE, f"system@{name}")
-        sb = _read(sysbench_file(name, root), f"sysbench@{name}")
-        systems.append({"system": name, "verdict": v.get("verdict"), "streams_at_budget": sb.get("streams_at_budget"),
-                        "p99_budget_ms": (sb.get("budget") or {}).get("p99_ms"), "host_class": sb.get("host_class")})
-    return {"engines": engines, "indexes": indexes, "precision": precision, "systems": systems}
+        systems.append({"system": name, "verdict": v.get("verdict")})
+    return {"engines": engines, "precision": precision, "systems": systems}
 
 
 def problems(doc: dict[str, list[dict]]) -> list[str]:
-    """What a release engineer must look at: any registration or system whose gate did not pass."""
+    """What a release engineer must look at: any engine or system whose gate did not pass."""
     out = [f"engine {r['engine']}: {r['verdict']}" for r in doc["engines"] if r["verdict"] != "pass"]
-    out += [f"gallery {r['gallery']}: {r['verdict']}" for r in doc["indexes"] if r["verdict"] != "pass"]
     out += [f"system {r['system']}: {r['verdict']}" for r in doc["systems"] if r["verdict"] != "pass"]
     return out
 
 
-def _short(digest: str | None) -> str | None:
-    return digest[:12] if digest else None
-
-
 def markdown(doc: dict[str, list[dict]]) -> str:
-    e, i, p, s = doc["engines"], doc["indexes"], doc["precision"], doc["systems"]
+    e, p, s = doc["engines"], doc["precision"], doc["systems"]
     passed = sum(r["verdict"] == "pass" for r in e)
     bad = problems(doc)
     lines = ["# Build summary", "",
-             f"{len(e)} engines registered ({passed} passed their gates), {len(i)} gallery indexes, "
-             f"{len(s)} face systems. " + ("Every gate passed." if not bad else f"Not passed: {'; '.join(bad)}."),
+             f"{len(e)} engines ({passed} passed their gates), {len(s)} face systems. "
+             + ("Every gate passed." if not bad else f"Not passed: {'; '.join(bad)}."),
              "", "## Engines", "",
-             tables.markdown(["engine", "model", "target", "precision", "gate", "registered model", "sha256",
-                              "toolchain"],
-                             [[r["engine"], r["model"], r["target"], r["precision"], r["verdict"],
-                               r["registered_model"], _short(r["sha256"]), r["toolchain"]] for r in e]),
+             tables.markdown(["engine", "model", "target", "precision", "gate", "toolchain"],
+                             [[r["engine"], r["model"], r["target"], r["precision"], r["verdict"], r["toolchain"]]
+                              for r in e]),
              "", "`toolchain`: the digest of the target's fingerprint the engine was compiled with (`rebuild_on` in "
-             "artifacts/toolchain/<target>.yaml): a toolchain change gives its engines a new one.", ""]
-    if i:
-        lines += ["## Gallery indexes", "",
-                  tables.markdown(["gallery size", "gate", "registered model", "sha256"],
-                                  [[r["gallery"], r["verdict"], r["registered_model"], _short(r["sha256"])]
-                                   for r in i]), ""]
+             "artifacts/toolchain/<target>.yaml): a toolchain change gives its engines a new one. Registrations: "
+             "artifacts/registry/ and `kiln history`; load: artifacts/sysbench/ (this host's).", ""]
     if p:
         lines += ["## INT8 precision (layer-wise, on the golden feed)", "",
                   tables.markdown(["quantized", "first layer below the SNR limit", "worst layer", "its SNR dB"],
@@ -137,7 +104,5 @@ def markdown(doc: dict[str, list[dict]]) -> str:
                                     r["worst_snr_db"]] for r in p]), ""]
     if s:
         lines += ["## Face systems", "",
-                  tables.markdown(["system", "end-to-end gate", "streams at p99 budget", "budget ms", "host class"],
-                                  [[r["system"], r["verdict"], r["streams_at_budget"], r["p99_budget_ms"],
-                                    r["host_class"]] for r in s]), ""]
+                  tables.markdown(["system", "end-to-end gate"], [[r["system"], r["verdict"]] for r in s]), ""]
     return "\n".join(lines)

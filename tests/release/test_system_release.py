@@ -311,7 +311,10 @@ def test_identify_from_the_release_outside_any_checkout(released, tmp_path, caps
                         "--key", str(released["pub"]), *mine], cwd=tmp_path / "host", env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.startswith(f"release: {released['release'].archive} verified offline ({NAME} v1: 6 checks")
+    parts = len(json.loads((paths.system(SYSTEM, root) / paths.SYSTEM_FILE).read_text())["engines"])
+    # 6 content checks, then this host's runtime: one line per engine
+    assert r.stdout.startswith(f"release: {released['release'].archive} verified offline ({NAME} v1: "
+                               f"{6 + parts} checks")
     assert f"embedder={INT8} ({NAME} v1)" in r.stdout
     assert list((tmp_path / "host").iterdir()) == []           # nothing written where it ran; the private
     assert [p for p in (tmp_path / "scratch").iterdir() if p.name.startswith("kiln-")] == []   # copies removed

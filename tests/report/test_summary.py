@@ -1,5 +1,5 @@
-"""The build's summary (pipeline/report/summary.py) on a hand-made tree: every engine, index, precision report and
-system by params; a gate that did not pass named at the top; a missing file named with the stage that writes it."""
+"""The build's summary (pipeline/report/summary.py) on a hand-made tree: every engine, precision report and system
+by params; a gate that did not pass named at the top; a missing file named with the stage that writes it."""
 
 from __future__ import annotations
 
@@ -22,20 +22,14 @@ def _write(path: Path, doc: dict) -> None:
 
 def tree(cfg, root: Path, failed: str | None = None) -> None:
     for e, spec in cfg.engines.items():
-        _write(summary.receipt_file(e, root), {"verdict": "fail" if e == failed else "pass",
-                                               "registered_model": f"kiln-{e}", "sha256": "ab" * 32})
+        _write(manifest_path(paths.validation(e, root), e), {"results": {"verdict": "fail" if e == failed else "pass"}})
         _write(manifest_path(paths.engine(e, root), e),
                {"toolchain": {f"target.{spec.target}": {"version": spec.target}}})
-    for size in cfg.matching.gallery_sizes:
-        _write(summary.receipt_file(paths.gallery_name(size), root),
-               {"verdict": "pass", "registered_model": f"kiln-gallery-{size}", "sha256": "cd" * 32})
     for key in pairs(cfg):
         _write(summary.precision_file(key, root),
                {"results": {"first_bad": None, "worst": [{"name": "/conv1", "snr_db": 24.5}]}})
     for name in cfg.systems:
         _write(paths.system(name, root) / paths.VERDICT_FILE, {"verdict": "pass"})
-        _write(summary.sysbench_file(name, root),
-               {"streams_at_budget": 4, "budget": {"p99_ms": 100.0}, "host_class": "x86-64-avx2"})
 
 
 def test_every_part_of_the_build_is_on_the_page(cfg, tmp_path):
@@ -44,7 +38,6 @@ def test_every_part_of_the_build_is_on_the_page(cfg, tmp_path):
     text = summary.markdown(doc)
     assert summary.problems(doc) == [] and "Every gate passed." in text
     assert all(f"| {e} " in text for e in cfg.engines) and all(f"| {s} " in text for s in cfg.systems)
-    assert all(f"kiln-gallery-{s}" in text for s in cfg.matching.gallery_sizes)
     by_target = {}
     for r in doc["engines"]:
         by_target.setdefault(r["target"], set()).add(r["toolchain"])
@@ -59,10 +52,10 @@ def test_a_gate_that_did_not_pass_heads_the_page(cfg, tmp_path):
     assert f"Not passed: engine {bad}: fail." in summary.markdown(doc)
 
 
-def test_a_missing_registration_names_its_stage(cfg, tmp_path):
+def test_a_missing_validation_names_its_stage(cfg, tmp_path):
     tree(cfg, tmp_path)
     e = next(iter(cfg.engines))
-    summary.receipt_file(e, tmp_path).unlink()
+    manifest_path(paths.validation(e, tmp_path), e).unlink()
     with pytest.raises(KilnError) as err:
         summary.collect(cfg, tmp_path)
-    assert f"register@{e}" in err.value.message and "dvc repro dag/register/dvc.yaml:" in err.value.hint
+    assert f"validate@{e}" in err.value.message and "dvc repro dag/validate/dvc.yaml:" in err.value.hint
