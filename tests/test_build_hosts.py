@@ -27,7 +27,7 @@ def repo(built_dag) -> Path:
 # Host B builds the detector engines of profiles/rtx.yaml: its embedder engines would rerun the embedder's bench
 # too — the same flow, minutes more of CI (tests/targets/test_tensorrt_rtx.py builds and checks all five).
 RTX_ENGINES = ("rnet-tensorrt-rtx-fp16", "onet-tensorrt-rtx-fp16")
-OVER_ALL_ENGINES = {"fallback-table", "leaderboard"}                   # reports over every engine of the params
+OVER_ALL_ENGINES = {"fallback-table", "leaderboard", "summary"}        # reports over every engine of the params
 
 
 @pytest.mark.slow
