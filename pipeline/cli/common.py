@@ -65,6 +65,8 @@ def print_system_move(s) -> None:
 
     if s.compat is not None:
         print(f"gallery-compat: {shown(s.compat.summary(), 1000)}")
+    if getattr(s, "shadow", None):
+        print(f"shadow: {shown(s.shadow, 1000)}")
     for m in (*s.parts, *s.retired, s.system):
         print_move(m)
 

@@ -4,6 +4,7 @@ checked validation verdict (exit 1 if refused); --system: a whole face system"""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pipeline.cli.common import (FORCE_HELP, RE_ENROLL_HELP, SYSTEM_HELP, check_reason, is_system, load_cfg, no_force,
                                  print_move, print_system_move)
@@ -21,6 +22,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", action="store_true", help=SYSTEM_HELP)
     p.add_argument("--re-enroll", action="store_true", help=RE_ENROLL_HELP)
     p.add_argument("--force", action="store_true", help=FORCE_HELP)
+    p.add_argument("--shadow-report", metavar="LOG", help="with --system: the shadow log (kiln-run serve --shadow "
+                   "--shadow-log) of this version beside production, summarised into the move's record")
 
 
 def run(args) -> int:
@@ -32,9 +35,17 @@ def run(args) -> int:
         from pipeline.registry import systems
 
         no_force(args)
+        shadow = None
+        if args.shadow_report:
+            from pipeline.registry import shadow as shadow_report
+
+            shadow = shadow_report.load(Path(args.shadow_report))     # a bad log: one line, before the registry
         print_system_move(systems.promote(load_cfg(args), args.name, args.version, reason=args.reason,
-                                          re_enroll=args.re_enroll))
+                                          re_enroll=args.re_enroll, shadow=shadow))
         return 0
+    if args.shadow_report:
+        raise KilnError("--shadow-report is for a face system", "e.g. kiln promote --system dlib-mtcnn 2 "
+                        "--shadow-report shadow.jsonl")
     if args.re_enroll:
         raise KilnError("--re-enroll is for a face system", "e.g. kiln promote --system dlib-mtcnn 2 --re-enroll")
     print_move(registry.promote(load_cfg(args), args.name, args.version, reason=args.reason, force=args.force))

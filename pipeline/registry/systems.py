@@ -89,6 +89,7 @@ class SystemMove:
     compat: Any = None        # gallery_compat.Compat when the embedder changed
     re_enroll: bool = False
     retired: tuple[AliasMove, ...] = ()   # parts of the old production version it no longer runs: alias removed
+    shadow: str | None = None             # the shadow report recorded with it (pipeline/registry/shadow.py)
 
 
 # ---------------------------------------------------------------------------------------------- the local system
@@ -353,7 +354,8 @@ def _compat_record(compat, current: int | None, re_enroll: bool) -> dict[str, st
 
 
 def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action: str, actor: str | None,
-              reason: str | None, summary: str, compat, re_enroll: bool, current: int | None) -> SystemMove:
+              reason: str | None, summary: str, compat, re_enroll: bool, current: int | None,
+              shadow: dict | None = None) -> SystemMove:
     """Every part's production to its pin; the parts of the current production version the new one does not run
     (another embedder model or build registered apart) lose their engine-level `production`, unless another
     production system pins them; then the system's. Under the parts' locks in sorted order (the caller holds the
@@ -364,7 +366,12 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
                 f"re-enroll: the gallery was re-enrolled with {compat.candidate} (run "
                 f"{(compat.enrolment or {}).get('run', '?')}: {(compat.enrolment or {}).get('rows', '?')} rows, sha256 "
                 f"{(compat.enrolment or {}).get('sha256', '?')[:12]}; --re-enroll; {compat.summary()})")
-    text = "; ".join(x for x in (reason, note) if x) or None
+    seen = None
+    if shadow is not None:
+        from pipeline.registry import shadow as shadow_report
+
+        seen = shadow_report.record(shadow)[shadow_report.HEAD + "summary"]
+    text = "; ".join(x for x in (reason, note, seen) if x) or None
     mine = {p.registered_model for p in v.parts}
     old = {p.registered_model for p in pins(reg, name, current)} if current not in (None, version) else set()
     with ExitStack() as stack:
@@ -379,14 +386,17 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
         others = {p.registered_model for p in production_pins(reg) if p.system != name}
         retired = [m for part in sorted(old - mine - others) if (m := retire(
             reg, part, actor, f"{action} of system {v.system} v{version}: no production system runs it any more"))]
-        m = record_move(reg, name, version, action, actor, text, summary, _compat_record(compat, current, re_enroll))
+        extra = {**_compat_record(compat, current, re_enroll)}
+        if shadow is not None:
+            extra.update(shadow_report.record(shadow))
+        m = record_move(reg, name, version, action, actor, text, summary, extra)
     if m.changed and compat is not None:          # the record's own tags, beside its reason (display)
         run_id = (reg.version(name, version).tags or {}).get(f"{PRODUCTION}_release_run")
         if run_id:
             reg.client.set_tag(run_id, "gallery_compat", compat.verdict)
             reg.client.set_tag(run_id, "re_enroll", str(bool(re_enroll and compat.failures)).lower())
     return SystemMove(m, tuple(part_moves), compat, bool(re_enroll and compat is not None and compat.failures),
-                      tuple(retired))
+                      tuple(retired), seen)
 
 
 def require_model(reg: Registry, name: str) -> None:
@@ -468,8 +478,9 @@ def enrolments(reg: Registry, name: str, version: int, embedder_xxh3_128: str | 
 
 
 def promote(cfg: Config, system: str, version: int | str, root: Path = Path("."), actor: str | None = None,
-            reason: str | None = None, re_enroll: bool = False) -> SystemMove:
-    """Move the system's `production`, and every part's, to `version` after proving it (module doc)."""
+            reason: str | None = None, re_enroll: bool = False, shadow: dict | None = None) -> SystemMove:
+    """Move the system's `production`, and every part's, to `version` after proving it (module doc); `shadow`: a
+    shadow report's summary (pipeline/registry/shadow.py load) of this version beside production, recorded."""
     name, version, root = registered(system), version_number(version), Path(root)
     reg = Registry(cfg, root)
     with errors(reg.uri), tempfile.TemporaryDirectory(prefix="kiln-system-") as tmp:
@@ -478,8 +489,13 @@ def promote(cfg: Config, system: str, version: int | str, root: Path = Path(".")
             settle(reg, name)
             v, summary, _ = prove_system(reg, name, version, Path(tmp))
             current = reg.aliases(name).get(PRODUCTION)
+            if shadow is not None:
+                from pipeline.registry import shadow as shadow_report
+
+                shadow_report.check(shadow, name, version, v, current)
             compat = _compat_gate(cfg, reg, name, version, v, current, root, Path(tmp), re_enroll, "promote")
-            return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll, current)
+            return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll, current,
+                             shadow)
 
 
 def rollback(cfg: Config, system: str, root: Path = Path("."), actor: str | None = None, reason: str | None = None,

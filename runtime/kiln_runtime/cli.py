@@ -9,6 +9,8 @@
                                                        every digest, verify it, and only then place it in DIR
     kiln-run gallery  COMMAND STORE …                  the live gallery: init, enrol, list, delete, erase, verify,
                                                        audit, snapshot, restore (kiln_runtime/gallery_cli.py)
+    kiln-run shadow-report LOG                         what a shadow candidate (serve --shadow) agreed on, and its
+                                                       p99 beside production's (kiln_runtime/shadow_cli.py)
 
 Each command that takes ARCHIVE takes an OCI reference too (HOST[:PORT]/PATH/NAME:TAG or …@sha256:DIGEST): pulled and
 verified into a private temporary folder first (kiln_runtime/oci.py).
@@ -142,12 +144,24 @@ def cmd_serve(args) -> int:
     if args.auth_reads and token is None:
         raise KilnError("--auth-reads needs a token to check reads against",
                         "pass --token-file FILE (or set KILN_GALLERY_TOKEN) with --gallery STORE")
+    from contextlib import nullcontext
+
+    from kiln_runtime import oci
+    from kiln_runtime.shadow_cli import shadow_settings
+
+    shadow = shadow_settings(args)
     settings = Settings(args.host, args.port, args.workers or cores, args.max_batch, args.queue, args.max_bytes,
                         args.max_pixels, args.request_timeout, Bounds(args.header_timeout, args.body_timeout,
                                                                       args.max_connections, args.keep_alive),
                         args.drain_delay, args.graceful_timeout, Path(args.gallery) if args.gallery else None, token,
-                        args.auth_reads, args.allow_runtime_drift)
-    with _source(args) as archive:
+                        args.auth_reads, args.allow_runtime_drift, shadow)
+    say = lambda m: print(m, file=sys.stderr, flush=True)      # noqa: E731
+    with _source(args) as archive, (nullcontext(None) if shadow is None else
+                                    oci.local(args.shadow, shadow.key, args.plain_http, progress=say)) as cand:
+        if shadow is not None:
+            from dataclasses import replace
+
+            settings = replace(settings, shadow=replace(shadow, archive=cand))
         return serve(archive, Path(args.key), settings)
 
 
@@ -437,11 +451,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", metavar="FILE", help=f"the bearer token gallery writes need (else ${TOKEN_ENV}; "
                    "with neither, writes are refused)")
     p.add_argument("--auth-reads", action="store_true", help="gallery reads and identify need the token too")
+    from kiln_runtime import shadow_cli
+
+    shadow_cli.serve_args(p)
     p.set_defaults(func=cmd_serve)
 
     from kiln_runtime.gallery_cli import add_parser
 
     add_parser(sub)
+    shadow_cli.add_parser(sub)
 
     p = sub.add_parser("pull", help="fetch a release from an OCI registry, check every digest, verify it, place it")
     p.add_argument("ref", metavar="REF", help="HOST[:PORT]/PATH/NAME:TAG or HOST[:PORT]/PATH/NAME@sha256:DIGEST (NAME "

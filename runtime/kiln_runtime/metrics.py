@@ -1,7 +1,8 @@
 """What `kiln-run serve` counts and shows at /metrics (Prometheus text format 0.0.4): requests and errors by reason,
 request and per-stage latency histograms, frames, faces and batches, the queue, the workers and their replacements,
-connections and the bounds that closed them, the live gallery's version and size, CPU time. Every update under one
-lock: the feeder threads and the event loop both write."""
+connections and the bounds that closed them, the live gallery's version and size, CPU time; a shadow candidate's
+frames and agreement (kiln_runtime/shadow.py). Every update under one lock: the feeder threads and the event loop both
+write."""
 
 from __future__ import annotations
 
@@ -138,6 +139,8 @@ class Metrics:
                    *_family("process_cpu_seconds_total", "counter", "CPU time of the service: this process and its "
                             "workers' batches.",
                             f"process_cpu_seconds_total {time.process_time() + self.worker_cpu:.6f}")]
+        if getattr(service, "shadow", None) is not None:
+            out += service.shadow.metric_lines()
         return "\n".join(out) + "\n"
 
 

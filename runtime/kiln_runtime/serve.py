@@ -11,7 +11,9 @@
     GET  /readyz        200 once verified and warmed, while at least one worker is ready and not draining; its JSON
                         says how many workers of how many are ready and how many were replaced
     GET  /metrics       Prometheus text: requests, errors by reason, request and per-stage latency, frames, faces,
-                        batches, queue depth, workers ready and replaced, connections and connection events
+                        batches, queue depth, workers ready and replaced, connections and connection events; with a
+                        shadow, its frames and agreement counts and both systems' p99
+    GET  /v1/shadow     with --shadow CANDIDATE: the shadow's summary so far (kiln_runtime/shadow.py), else 404
     Open Inference Protocol (KServe v2) health and metadata, for gateways and probes that speak it:
     GET  /v2/health/live, /v2/health/ready, /v2, /v2/models/{system}[/versions/{version}][/ready] — the model's
          metadata carries the release version, the archive's sha256, the system's content digest and the embedder's
@@ -43,7 +45,7 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -55,6 +57,7 @@ from kiln_runtime.errors import KilnError
 from kiln_runtime.images import WIRE_MAX_PIXELS
 from kiln_runtime.metrics import Metrics
 from kiln_runtime.system import Match
+from kiln_runtime.shadow import NICE
 from kiln_runtime.workers import IDENTIFY, BadImage, Done, NoWorker, Options, Pool, TooSlow, WorkerDied
 
 MAX_BYTES = 20 << 20            # one request body: a 4096-side JPEG is a few MB
@@ -78,6 +81,18 @@ class Settings:
     token: bytes | None = None               # the bearer token gallery writes need (None: writes refused)
     auth_reads: bool = False                 # gallery reads and identify need it too
     allow_runtime_drift: bool = False        # engines outside their runtime requirement, after their golden check
+    shadow: "ShadowSettings | None" = None   # a candidate release run beside production (kiln_runtime/shadow.py)
+
+
+@dataclass(frozen=True)
+class ShadowSettings:
+    """`--shadow CANDIDATE`: the candidate release (verified as production's is), its log, and its bounds."""
+    archive: Path
+    key: Path
+    log: Path
+    share: float = 0.1                       # of the identify requests production answered
+    workers: int = 1                         # the candidate's worker processes (nice +10, one thread per engine)
+    queue: int = 8                           # candidate frames waiting or running; past it a sampled frame is skipped
 
 
 # ---------------------------------------------------------------------------------------------- answers
@@ -121,8 +136,10 @@ def release_info(tree: Path, archive: Path) -> ReleaseInfo:
 
 
 class Service:
-    def __init__(self, pool: Pool, info: ReleaseInfo, metrics: Metrics, store=None, policy=None) -> None:
+    def __init__(self, pool: Pool, info: ReleaseInfo, metrics: Metrics, store=None, policy=None,
+                 shadow=None) -> None:
         self.pool, self.info, self.metrics = pool, info, metrics
+        self.shadow = shadow                             # kiln_runtime/shadow.py Shadow, or None
         self.store, self.policy = store, policy          # a live gallery (kiln_runtime/gallery.py), or None
         self.store_lock = threading.Lock()
         self.reader = None                               # its read-only connection: reads, /metrics
@@ -231,7 +248,12 @@ def app(service: Service, settings: Settings, live: dict):
             m.count(200)
             with m.lock:
                 m.latency.observe(time.perf_counter() - t0)
-            return reply(doc)
+            resp = reply(doc)
+            if service.shadow is not None:             # after the answer is sent: a put on the candidate's queue
+                from starlette.background import BackgroundTask
+
+                resp.background = BackgroundTask(service.shadow.offer, body, got)
+            return resp
         finally:
             with m.lock:
                 m.inflight -= 1
@@ -246,6 +268,12 @@ def app(service: Service, settings: Settings, live: dict):
         ok = service.is_ready()
         return reply({"ready": ok, "system": info.name, "version": info.version, "draining": service.draining,
                       "workers": workers()}, 200 if ok else 503)
+
+    async def shadow(request: Request) -> Response:
+        if service.shadow is None:
+            return reply({"error": "no shadow runs here", "hint": "kiln-run serve ARCHIVE --shadow CANDIDATE "
+                          "--shadow-log FILE"}, 404)
+        return reply(service.shadow.summary())
 
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(m.text(service, len(live)), media_type="text/plain; version=0.0.4",
@@ -291,7 +319,7 @@ def app(service: Service, settings: Settings, live: dict):
         return reply({"name": info.system, "ready": service.is_ready()}, 200 if service.is_ready() else 503)
 
     routes = [Route("/v1/identify", identify, methods=["POST"]), Route("/healthz", healthz),
-              Route("/readyz", readyz), Route("/metrics", metrics),
+              Route("/readyz", readyz), Route("/metrics", metrics), Route("/v1/shadow", shadow),
               Route("/v2", server_meta), Route("/v2/health/live", live_), Route("/v2/health/ready", ready_),
               Route("/v2/models/{name}", model_meta), Route("/v2/models/{name}/ready", model_ready),
               Route("/v2/models/{name}/versions/{version}", model_meta),
@@ -327,27 +355,37 @@ def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
                         f"(ulimit -n {needed})")
     metrics = Metrics()
     live: dict = {}
-    with release.verified(archive, key, allow_drift=settings.allow_runtime_drift) as (tree, checked), \
-            _listening(host, settings.port) as sock:
+    with ExitStack() as stack:
+        tree, checked = stack.enter_context(release.verified(archive, key, allow_drift=settings.allow_runtime_drift))
+        cand = None if settings.shadow is None else stack.enter_context(release.verified(
+            settings.shadow.archive, settings.shadow.key, allow_drift=settings.allow_runtime_drift))[0]
+        sock = stack.enter_context(_listening(host, settings.port))
         info = release_info(tree, archive)            # refused here, in one line, before any worker starts
         store = None if settings.gallery is None else open_gallery(settings.gallery, tree, info, say)
+        if store is not None:
+            stack.callback(store.close)
         threads = max(1, _cores() // settings.workers)
-        try:
-            pool = Pool(Options(str(tree), settings.workers, threads, settings.max_batch, settings.request_timeout_s,
-                                settings.max_pixels, None if store is None else str(store.path)), settings.queue,
-                        metrics.batch)
-        except BaseException:
-            if store is not None:
-                store.close()
-            raise
+        shadow = None if cand is None else start_shadow(settings, tree, cand, info, store, stack, say)
+        pool = Pool(Options(str(tree), settings.workers, threads, settings.max_batch, settings.request_timeout_s,
+                            settings.max_pixels, None if store is None else str(store.path)), settings.queue,
+                    metrics.batch)
+        stack.callback(pool.stop)
         from kiln_runtime.enrolment import policy
 
-        service = Service(pool, info, metrics, store, policy(release.layout(tree).spec) if store else None)
+        service = Service(pool, info, metrics, store, policy(release.layout(tree).spec) if store else None, shadow)
+        if service.reader is not None:
+            stack.callback(service.reader.close)
         everywhere = _is_ip(host) and ipaddress.ip_address(host).is_unspecified
         url = f"http://[{host}]:{settings.port}" if ":" in host else f"http://{host}:{settings.port}"
         say(f"kiln-run: {info.name} v{info.version} verified ({len(checked)} checks) and warmed: {settings.workers} "
             f"worker process(es) × {threads} thread(s) per engine, in {time.perf_counter() - t0:.2f} s; serving on "
             f"{url}" + (" (every interface)" if everywhere else ""), flush=True)
+        if shadow is not None:
+            c = shadow.header["candidate"]
+            say(f"kiln-run: shadow: {c['name']} v{c['version']} on {settings.shadow.share:.0%} of the frames "
+                f"({settings.shadow.workers} worker(s) at nice +{NICE}, at most {settings.shadow.queue} frames "
+                f"behind), against {shadow.header['candidate_gallery']}; never answered with; log "
+                f"{settings.shadow.log}", flush=True)
 
         class _Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:       # noqa: ANN001 — uvicorn's signature
@@ -381,12 +419,34 @@ def serve(archive: Path, key: Path, settings: Settings, say=print) -> int:
             service.draining = True
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)    # already stopping, within a bound: exit 0, not 143
-            pool.stop()
-            if store is not None:
-                store.close()
-                service.reader.close()
+            # the stack stops production's workers, then the shadow's and closes its log, then the gallery, the
+            # socket and the extracted trees
     say(f"kiln-run: drained ({metrics.frames} frames served); bye", flush=True)
     return 0
+
+
+def start_shadow(settings: Settings, tree: Path, cand: Path, info: ReleaseInfo, store, stack: ExitStack, say):
+    """The candidate's pool (its own workers, nice +10) and the Shadow that feeds and logs it; stopped by `stack`.
+    It identifies against the live gallery when its embedder's binding is the store's, else against its release's
+    own gallery (the log says which)."""
+    from kiln_runtime import shadow as sh
+    from kiln_runtime.gallery import binding_of
+
+    o = settings.shadow
+    cinfo = release_info(cand, o.archive)
+    same = store is not None and binding_of(cand) == binding_of(tree)
+    gallery = ("the live gallery" if same else f"{cinfo.name} v{cinfo.version}'s build gallery" +
+               (" (its embedder differs from the live gallery's)" if store is not None else ""))
+    head = sh.header(sh.side(info), sh.side(cinfo), o.share, gallery)
+    log = sh.open_log(o.log, head)                       # checked (or made) before any worker starts
+    stack.callback(log.close)
+    pool = Pool(Options(str(cand), o.workers, 1, settings.max_batch, settings.request_timeout_s, settings.max_pixels,
+                        str(store.path) if same else None, nice=sh.NICE), o.queue, lambda *_: None,
+                say=lambda m: print(m.replace("kiln-run: ", "kiln-run: shadow: ", 1), file=sys.stderr, flush=True))
+    stack.callback(pool.stop)
+    shadow = sh.Shadow(pool, head, log, say)
+    stack.callback(shadow.close)
+    return shadow
 
 
 def open_gallery(path: Path, tree: Path, info: ReleaseInfo, say=print):
@@ -454,5 +514,5 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-__all__ = ["MAX_BYTES", "Settings", "Service", "answer", "app", "check_host",
+__all__ = ["MAX_BYTES", "Settings", "Service", "ShadowSettings", "answer", "app", "check_host",
            "free_port", "serve"]

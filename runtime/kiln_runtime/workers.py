@@ -69,6 +69,7 @@ class Options:
     batch_timeout_s: float       # a batch in a worker past this: the worker is killed and replaced
     max_pixels: int = MAX_PIXELS
     gallery: str | None = None   # a live gallery store (kiln_runtime/gallery.py) instead of the release's own
+    nice: int = 0                # added to the workers' CPU niceness (a shadow candidate's: below production's)
 
 
 IDENTIFY, FACES = "identify", "faces"     # a job's kind: who is in the frame, or its faces to enrol or verify
@@ -140,13 +141,15 @@ def run_batch(system, batch: list[tuple[int, str, bytes]], max_pixels: int, live
                                 time.process_time() - cpu0), crops
 
 
-def _worker(tree: str, threads: int, max_pixels: int, gallery: str | None, conn) -> None:
+def _worker(tree: str, threads: int, max_pixels: int, gallery: str | None, nice: int, conn) -> None:
     """A worker process: load the verified tree's system (each engine verified again as it loads; its gallery the
     live store's when one is given), warm it, say ready, then answer each batch the server sends until it sends None
     or goes away (its end of the pipe closes, as when the server is killed: nothing lingers as an orphan). SIGINT and
-    SIGTERM are ignored: the server stops it."""
+    SIGTERM are ignored: the server stops it. `nice` lowers its CPU priority first."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if nice:
+        os.nice(nice)
     from kiln_runtime import release
 
     live = None
@@ -216,8 +219,8 @@ class Slot:
             ctx = self.pool.ctx
             mine, theirs = ctx.Pipe(duplex=True)
             o = self.pool.options
-            self.proc = ctx.Process(target=_worker, args=(o.tree, o.threads, o.max_pixels, o.gallery, theirs),
-                                    daemon=True, name=f"kiln-worker-{self.index}")
+            self.proc = ctx.Process(target=_worker, daemon=True, name=f"kiln-worker-{self.index}",
+                                    args=(o.tree, o.threads, o.max_pixels, o.gallery, o.nice, theirs))
             with deferred_signals():   # a SIGTERM mid-start would cut the child's start-up data (its traceback)
                 try:
                     self.proc.start()

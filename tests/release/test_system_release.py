@@ -1473,3 +1473,104 @@ def test_the_gallery_commands_from_a_shell(released, runtime_venv, site_photos, 
     assert "erased from this gallery since it was taken (joe_biden)" in run("restore", store, snap, "--key",
                                                                             str(key_pub), "--reason", "oops", code=1)
     assert "chain verified" in run("audit", store)
+
+
+# ---------------------------------------------------------------------------------------------- shadow rollout
+@slow
+def test_a_shadow_candidate_runs_beside_production_and_its_report_is_recorded(released, released_v2, sysroot,
+                                                                             runtime_venv, site_photos, tmp_path):
+    """Issue 59 part 4: production (v1, INT8 embedder, a live gallery where Joe Biden was enrolled at the site) serves
+    with v2 (the FP32 embedder, its own build gallery: another embedder cannot read the store) in shadow on every
+    frame. Production's answers are the same as without the shadow; the shadow's counts are what the two systems
+    answer alone on the same frames (`kiln-run identify --json`) — Biden's frame disagrees on identity and decision,
+    the rest agree; /v1/shadow, /metrics and `kiln-run shadow-report` show them, the log holds no names; `kiln promote
+    --system` records the report with the move, and refuses one of another version."""
+    import signal
+
+    from pipeline.registry import shadow as shadow_report
+
+    archive, pub, cand = str(released["release"].archive), str(released["pub"]), str(released_v2.archive)
+    root, c8 = released["root"], released["cfg"]
+    store, rel = str(tmp_path / "site.sqlite"), ("--release", archive, "--key", pub)
+    for args in (("init", store, *rel), ("enrol", store, *rel, "joe_biden", str(site_photos / "biden.jpg"))):
+        r = _run(runtime_venv, "gallery", *args, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+    frames = [p.path for p in list_photos(root / c8.data.photos)] + \
+        [site_photos / n for n in ("obama.jpg", "obama3.jpg", "biden.jpg")]
+
+    def alone(release: str, *extra: str) -> list[list[str]]:
+        r = _run(runtime_venv, "identify", release, "--key", pub, "--json", *extra, *map(str, frames), cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [[f["identity"] for f in json.loads(ln)["faces"]] for ln in r.stdout.splitlines()]
+
+    prod, other = alone(archive, "--gallery", store), alone(cand)
+    assert (prod[-1], other[-1]) == (["joe_biden"], ["unknown"])      # the site's enrolment: production's only
+    same_faces = sum(len(p) == len(o) for p, o in zip(prod, other))
+    same_ids = sum(p == o for p, o in zip(prod, other))
+    same_decisions = sum([i == "unknown" for i in p] == [i == "unknown" for i in o] for p, o in zip(prod, other))
+    assert same_faces == len(frames) and same_ids == same_decisions == len(frames) - 1
+
+    def answers(url: str) -> list[dict]:
+        out = []
+        for p in frames:
+            status, body = _get(url + "/v1/identify", p.read_bytes())
+            assert status == 200, body[:500]
+            doc = json.loads(body)
+            assert doc.pop("timings_ms")                   # per-stage milliseconds: the one part that varies
+            out.append(doc)
+        return out
+
+    args = ("--workers", "1", "--gallery", store, "--drain-delay", "0")
+    with _serving(runtime_venv, archive, pub, *args, cwd=tmp_path) as (proc, url, _):
+        plain = answers(url)
+        assert _get(url + "/v1/shadow")[0] == 404
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert [[f["identity"] for f in d["faces"]] for d in plain] == prod
+
+    log = tmp_path / "shadow.jsonl"
+    shadowed = ("--shadow", cand, "--shadow-log", str(log), "--shadow-share", "1", "--shadow-queue", "64")
+    with _serving(runtime_venv, archive, pub, *args, *shadowed, cwd=tmp_path) as (proc, url, logs):
+        assert answers(url) == plain                       # the shadow never changes what production answers
+        t0 = time.monotonic()
+        while (live := json.loads(_get(url + "/v1/shadow")[1]))["frames"]["compared"] < len(frames):
+            assert live["frames"]["skipped"] == live["frames"]["failed"] == 0, live
+            assert time.monotonic() - t0 < 120, live
+            time.sleep(0.1)
+        status, text = _get(url + "/metrics")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, logs[1].read_text("utf-8")[-2000:]
+    started = logs[0].read_text("utf-8")
+    assert f"shadow: {NAME} v2 on 100% of the frames" in started and f"{NAME} v2's build gallery" in started
+    want = {"faces": {"agree": len(frames), "disagree": 0},
+            "identities": {"agree": len(frames) - 1, "disagree": 1},
+            "decisions": {"agree": len(frames) - 1, "disagree": 1}}
+    assert live["agreement"] == want and live["candidate"]["version"] == 2 and live["production"]["version"] == 1
+    metrics = dict(ln.rsplit(" ", 1) for ln in text.decode().splitlines() if ln and not ln.startswith("#"))
+    assert metrics['kiln_shadow_frames_total{outcome="compared"}'] == str(len(frames))
+    assert metrics['kiln_shadow_agreement_total{aspect="identities",result="disagree"}'] == "1"
+    assert float(metrics['kiln_shadow_frame_ms_p99{system="candidate"}']) > 0
+
+    r = _run(runtime_venv, "shadow-report", str(log), "--json", str(tmp_path / "shadow.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    print(r.stdout)
+    assert f"frames sampled {len(frames)}: compared {len(frames)}, skipped 0" in r.stdout
+    assert f"identities  {len(frames) - 1:>8}{1:>10}" in r.stdout
+    report = json.loads((tmp_path / "shadow.json").read_text("utf-8"))
+    assert report["agreement"] == want and report["ms"]["production"]["n"] == len(frames)
+    assert "joe_biden" not in log.read_text("utf-8") and "barack_obama" not in log.read_text("utf-8")
+
+    c32 = sysroot["fp32"][0]
+    seen = shadow_report.load(log)
+    wrong = {**seen, "candidate": {**seen["candidate"], "system_sha256": "0" * 64}}
+    with pytest.raises(KilnError, match="not of kiln-system-"):
+        systems.promote(c32, SYSTEM, 2, root, shadow=wrong)
+    assert int(client().get_registered_model(NAME).aliases["production"]) == 1      # refused: nothing moved
+    try:
+        moved = systems.promote(c32, SYSTEM, 2, root, reason="shadowed", shadow=seen)
+        assert moved.system.to_version == 2 and moved.shadow.startswith(f"shadow of {NAME} v2 beside {NAME} v1: "
+                                                                        f"{len(frames)} frame(s) compared")
+        last = aliases.history(c32, NAME, root, alias="production")[-1]
+        assert last.to_version == 2 and f"identities {len(frames) - 1}/{len(frames)}" in last.reason
+    finally:
+        systems.rollback(c8, SYSTEM, root, reason="back to v1 for the rest of this module")
