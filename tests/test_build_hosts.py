@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,10 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
     real `mlflow server` on PostgreSQL as the shared registry (scripts/registry-server.sh).
 
     A (cpu-x86: the built copy) pushes its cache and run cache and syncs its engines into the registry.
-    B (rtx: `kiln profile rtx`, its two detector engines) starts from A's dvc.lock with an empty cache;
-      `dvc repro --pull --allow-missing` runs only its own target's stages — plus the benches of the models that
-      gained an engine and the two reports over all engines — and registers its engines as `built` (promotion
-      refuses them); it pushes.
+    B (rtx: `kiln profile rtx`, its two detector engines) starts from A's dvc.lock with an empty cache; after one
+      `dvc pull --allow-missing`, `dvc repro --pull --allow-missing` runs only its own target's stages — plus the
+      benches of the models that gained an engine and the reports over all engines — and registers its engines as
+      `built` (promotion refuses them); it pushes.
     C (release) pulls what both pushed, verifies every artifact, syncs (nothing new: nothing registered twice),
       promotes A's INT8 engine, and `dvc repro` runs nothing.
     D (no dvc.lock at all) gets the INT8 engine by `dvc repro --pull`: restored from the shared run cache."""
@@ -79,6 +80,11 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
 
     config = (repo / ".dvc/config").read_bytes()
     counts = {}
+    clock = [time.monotonic()]
+
+    def took() -> str:                          # each host's seconds, printed: where this test's minutes go
+        clock.append(time.monotonic())
+        return f" in {clock[-1] - clock[-2]:.0f} s"
     try:
         # ---- host A: cpu-x86
         connect(repo)
@@ -90,7 +96,7 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
         assert f"cpu-x86: 0 to build, {len(engines)} in the remote" in after.stdout, after.stdout
         sync = ok(kiln(repo, "registry", "sync", env=env))
         assert sync.stdout.count("registered new version") == len(engines) + 1, sync.stdout  # + 1 gallery index
-        counts["A"] = f"pushed {len(engines)} engines, registered {len(engines) + 1} versions"
+        counts["A"] = f"pushed {len(engines)} engines, registered {len(engines) + 1} versions" + took()
 
         # ---- host B: rtx, from A's lock and an empty cache
         b = host("B", repo)
@@ -102,13 +108,15 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
         plan_b = ok(kiln(b, "plan", env=env))
         assert f"rtx: {len(RTX_ENGINES)} to build" in plan_b.stdout, plan_b.stdout
         assert f"cpu-x86: 0 to build, {len(engines)} in the remote" in plan_b.stdout, plan_b.stdout
+        ok(dvc(b, "pull", "--allow-missing", env=env))       # in one go: repro --pull pulls dep by dep (minutes)
         first = ok(dvc(b, "repro", "--pull", "--allow-missing", env=env))
         ran_b = ran(first.stdout) - {TOOLCHAIN}
         own = {f"{g}@{e}" for g in ("compile", "validate", "register") for e in RTX_ENGINES}
         benches = {f"bench@{m}" for m in {e.split("-")[0] for e in RTX_ENGINES}}
         assert own <= ran_b, sorted(own - ran_b)
         assert ran_b <= own | benches | OVER_ALL_ENGINES, sorted(ran_b - own - benches - OVER_ALL_ENGINES)
-        counts["B"] = f"ran {len(ran_b)} stages: {len(own)} of its own target, {len(ran_b - own)} benches/reports"
+        counts["B"] = (f"ran {len(ran_b)} stages: {len(own)} of its own target, {len(ran_b - own)} benches/reports"
+                       + took())
         for e in RTX_ENGINES:
             checked = json.loads((b / f"artifacts/engines/{e}/{e}.manifest.json").read_text())["build"]
             assert checked["reproducibility"]["checked"].endswith(("bit-identical", "(the builder orders a "
@@ -137,7 +145,8 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
         ok(kiln(c, "promote", "kiln-embedder-ort-cpu-int8", "1", env=env))
         idle = ok(dvc(c, "repro", "--allow-missing", env=env))
         assert ran(idle.stdout) == {TOOLCHAIN}, idle.stdout
-        counts["C"] = f"pulled {len(engines) + len(RTX_ENGINES)} engines, registered 0, ran {len(ran(idle.stdout)) - 1}"
+        counts["C"] = (f"pulled {len(engines) + len(RTX_ENGINES)} engines, registered 0, ran "
+                       f"{len(ran(idle.stdout)) - 1}" + took())
 
         # ---- host D: no lock at all, one engine wanted
         d = host("D", None)
@@ -152,7 +161,7 @@ def test_build_hosts_share_one_remote_and_one_registry(repo, tmp_path, postgres_
         fresh = ok(kiln(d, "plan", env=env))    # D's lock holds only what it restored: the rest is to build
         assert fresh.stdout.count("| to build ") == len(engines) - 1, fresh.stdout
         assert re.search(r"\| embedder-ort-cpu-int8 +\| ort-cpu +\| yes +\| in remote", fresh.stdout), fresh.stdout
-        counts["D"] = f"ran 0 stages, restored {len(from_cache)} from the run cache"
+        counts["D"] = f"ran 0 stages, restored {len(from_cache)} from the run cache" + took()
         print("\n" + "\n".join(f"host {h}: {what}" for h, what in counts.items()))
     finally:                                    # the copy's DVC config as it was: later tests run dvc there
         (repo / ".dvc/config").write_bytes(config)

@@ -47,8 +47,8 @@ def test_one_job_per_family_each_building_through_the_shared_remote():
     assert set(jobs["release"]["needs"]) == {"cpu-x86", "accelerators"}
     family_job = yaml.safe_load(FAMILY_JOB.read_text())["jobs"]["build"]
     steps = " ".join(s.get("run", "") for s in family_job["steps"])
-    for command in ("kiln plan", "dvc repro --pull --allow-missing", "dvc push --run-cache", "kiln registry sync",
-                    "kiln profile"):
+    for command in ("kiln plan", "dvc pull --allow-missing", "dvc repro --pull --allow-missing",
+                    "dvc push --run-cache", "kiln registry sync", "kiln profile"):
         assert command in steps, command
     release = " ".join(s.get("run", "") for s in jobs["release"]["steps"])
     assert "kiln release --all-production" in release and "|| true" not in release

@@ -2,10 +2,11 @@
 
 A build matrix is one CI job per hardware family (`.github/workflows/build.yml`): `cpu-x86` builds the CPU targets
 from the default params, `gpu` merges `profiles/gpu.yaml` (TensorRT), `rtx` merges `profiles/rtx.yaml`. Each job
-runs `dvc repro --pull --allow-missing` (what another host already built comes from the shared remote's run cache)
-and pushes what it built. `kiln plan` is the dry run of that: per engine of the current params, its family, whether
-this host can build its target (the same probe `dvc repro` uses), and its state against `dvc.lock`, the local cache
-and the remote (`dvc status` and `dvc status --cloud`, so it reads the same truth DVC acts on):
+runs `dvc pull --allow-missing` and `dvc repro --pull --allow-missing` (what another host already built comes from
+the shared remote and its run cache) and pushes what it built. `kiln plan` is the dry run of that: per engine of the
+current params, its family, whether this host can build its target (the same probe `dvc repro` uses), and its state
+against `dvc.lock`, the local cache and the remote (`dvc status` and `dvc status --cloud` of the compile stages, so
+it reads the same truth DVC acts on):
 
     in remote      the remote has this exact build (dvc.lock's hash): nobody rebuilds it, `dvc pull` gets it
     not pushed     built here, not in the remote yet: `dvc push`
@@ -69,12 +70,15 @@ def _inputs_changed(changes: list) -> bool:
 
 def plan(cfg: Config, root: Path = Path("."), remote: bool = True) -> list[Row]:
     from pipeline import targets
-    from pipeline.dvcfiles import bare, read_locks
+    from pipeline.dvcfiles import address, bare, read_locks
 
     root = Path(root)
     lock = read_locks(root)
-    stale = {bare(a) for a, changes in _dvc(root, "status").items() if _inputs_changed(changes)}
-    cloud = _dvc(root, "status", "--cloud") if remote else {}
+    # only the compile stages the lock has: DVC checks those alone (the whole project's status took 10-20 s)
+    built = [address(f"compile@{name}") for name in sorted(cfg.engines) if f"compile@{name}" in lock]
+    stale = {bare(a) for a, changes in (_dvc(root, "status", *built) if built else {}).items()
+             if _inputs_changed(changes)}
+    cloud = _dvc(root, "status", "--cloud", *built) if remote and built else {}
     probes: dict[str, bool] = {}
     rows = []
     for name, spec in sorted(cfg.engines.items()):
