@@ -36,7 +36,7 @@ LONG = ("test_reliability.py",            # ≈ 6-9 min
         "test_tvm.py",                    # 4-8 min (MetaSchedule's search)
         "test_system_release.py",         # ≈ 4-5 min (releases served: the service, channels, live galleries)
         "test_systems.py",                # ≈ 2 min
-        "test_build_hosts.py",            # ≈ 7 min, after the DAG build
+        "test_build_hosts.py",            # ≈ 3.5 min, after the DAG build
         "test_executorch.py", "test_xla.py", "test_reliability_registry.py", "test_litert.py")     # 1-2 min each
 
 # Two tiers. `bash scripts/test.sh` runs everything (CI); `bash scripts/test.sh --fast` runs `-m "not slow"`: unit and
