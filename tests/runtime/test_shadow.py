@@ -117,3 +117,18 @@ def test_shadow_options_are_checked_at_the_edge(tmp_path):
     assert r.returncode == 2 and "above 0 and at most 1" in r.stderr
     r = run("shadow-report", str(tmp_path / "none.jsonl"))
     assert r.returncode == 2 and "cannot read the shadow log" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_promote_takes_a_shadow_report_only_for_a_system_and_reads_it_first(tmp_path, capsys, monkeypatch):
+    """`kiln promote --shadow-report LOG`: a face system's only; a log that is not one is refused in one line before
+    the registry is asked anything (the move with a real report: tests/release/test_system_release.py)."""
+    from pipeline import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")          # nothing listens: never asked
+    assert cli.main(["promote", "kiln-x", "1", "--shadow-report", "s.jsonl"]) == 2
+    assert "--shadow-report is for a face system" in capsys.readouterr().err
+    (tmp_path / "s.jsonl").write_text("not json\n")
+    assert cli.main(["promote", "--system", "dlib-mtcnn", "2", "--shadow-report", "s.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "s.jsonl: not a shadow log" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 2
