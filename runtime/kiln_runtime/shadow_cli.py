@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
 from kiln_runtime.errors import KilnError
@@ -71,14 +69,9 @@ def cmd_report(args) -> int:
     for line in shadow.report_lines(s):
         print(line)
     if args.json:
-        out = Path(args.json)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(s, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-            os.replace(tmp, out)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise KilnError(f"cannot write {out} ({e.strerror})", "pass --json in a writable folder") from None
+        from kiln_runtime.cli import _write_json        # whole or not at all, as bench --json writes
+
+        _write_json(Path(args.json), s)
     return 0
 
 
