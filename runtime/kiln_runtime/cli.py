@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from kiln_runtime.errors import GateFailed, KilnError
+from kiln_runtime.files import write_json
 
 if TYPE_CHECKING:
     import numpy as np
@@ -243,7 +244,7 @@ def cmd_bench(args) -> int:
     print(f"host class {host}; {plan.workers} worker(s) × {plan.threads} thread(s) per engine; "
           f"p99 budget {args.budget_ms:g} ms at {args.fps:g} fps {args.width}×{args.height}")
     if args.json:
-        _write_json(Path(args.json), report)
+        write_json(Path(args.json), report)
         print(f"→ {args.json}")
     return 0
 
@@ -318,17 +319,6 @@ def _writable(path: Path) -> Path:
         raise KilnError(f"{path}: its folder {folder} does not exist or is not writable", "pass --json in a writable "
                         "folder")
     return path
-
-
-def _write_json(path: Path, doc: dict) -> None:
-    """Whole or not at all: a temporary sibling, then a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise KilnError(f"cannot write {path} ({e.strerror})", "pass --json in a writable folder") from None
 
 
 def _cores() -> int:

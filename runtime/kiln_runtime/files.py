@@ -7,6 +7,7 @@ otherwise hang the read (or never end), and a check before opening would race a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -34,6 +35,17 @@ def open_regular(path: Path, hint: str, missing: tuple[str, str] | None = None) 
         os.close(fd)
         raise KilnError(f"{shown(path, 500)}: not a regular file (a folder, FIFO or device)", hint)
     return os.fdopen(fd, "rb")
+
+
+def write_json(path: Path, doc: dict) -> None:
+    """A `--json FILE` report, whole or not at all: a temporary sibling, then a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise KilnError(f"cannot write {path} ({e.strerror})", "pass --json in a writable folder") from None
 
 
 # ---------------------------------------------------------------------------------------------- scratch folders

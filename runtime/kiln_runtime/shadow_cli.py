@@ -69,9 +69,9 @@ def cmd_report(args) -> int:
     for line in shadow.report_lines(s):
         print(line)
     if args.json:
-        from kiln_runtime.cli import _write_json        # whole or not at all, as bench --json writes
+        from kiln_runtime.files import write_json
 
-        _write_json(Path(args.json), s)
+        write_json(Path(args.json), s)
     return 0
 
 
