@@ -529,6 +529,26 @@ class GalleryCompat:
     distance_delta_max: NonNeg = 0.03       # largest change of one probe-to-gallery distance (the model's space)
 
 
+@frozen
+class OutputLimits:
+    max_rel_delta: NonNeg                   # largest |Δ| of any output, over the largest |production output|
+    cosine_min: Fraction                    # lowest per-sample cosine between the two engines' outputs
+
+
+@frozen
+class UpgradeLimits:
+    """`kiln upgrade-report` (pipeline/release/upgrade.py): a rebuilt engine against its production version on the
+    golden feeds, within its precision's output limits (fp16 and bf16 engines take fp32's unless given), else (or
+    with a failed gate) `differs`; a latency verdict needs every interleaved round beyond 1 ± latency_margin.
+    Defaults: params.yaml's values (justified there)."""
+    precisions: dict[Literal[PRECISIONS], OutputLimits] = field(default_factory=lambda: {
+        "fp32": OutputLimits(1e-3, 0.9999), "int8": OutputLimits(0.1, 0.998)})
+    latency_margin: NonNeg = 0.05
+
+    def limits(self, precision: str) -> OutputLimits:
+        return self.precisions.get(precision) or self.precisions.get("fp32") or OutputLimits(1e-3, 0.9999)
+
+
 # ---------------------------------------------------------------------------------------------- root
 @frozen
 class Params:
@@ -547,6 +567,7 @@ class Params:
     matching: MatchingConfig
     systems: dict[Slug, SystemSpec] = field(default_factory=dict)
     gallery_compat: GalleryCompat = field(default_factory=GalleryCompat)
+    upgrade: UpgradeLimits = field(default_factory=UpgradeLimits)
     sysbench: SysbenchConfig = field(default_factory=SysbenchConfig)
 
 

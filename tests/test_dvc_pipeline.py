@@ -154,8 +154,15 @@ def test_editing_a_module_stales_exactly_the_stages_that_import_it(repo):
 def test_fingerprint_change_rebuilds_only_that_target_and_a_revert_restores_from_cache(repo, target, key, engine):
     """A new version of one target's toolchain, as a host image update brings it: its fingerprint and, for OpenVINO
     (a package only its target runs), the package version every stage's params read. ONNX Runtime is not a target's
-    alone: the portable stages' parity checks run it, so they rerun on its upgrade by design."""
+    alone: the portable stages' parity checks run it, so they rerun on its upgrade by design. For OpenVINO, with the
+    engine's version in production first: `kiln lock-classes` passes on the rebuild, and `kiln upgrade-report` puts
+    it beside the production version."""
     fp, packages = repo / f"artifacts/toolchain/{target}.yaml", repo / "artifacts/toolchain/python.yaml"
+    if target == "openvino-cpu":
+        promoted = kiln(repo, "promote", engine, "1", "--reason", "what production runs before the upgrade")
+        assert promoted.returncode == 0, promoted.stderr[-2000:]
+        git(repo, "add", "-A", "--", *[str(f.relative_to(repo)) for f in repo.rglob("dvc.lock")])
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "the built locks")
     original, packages_before = fp.read_text(), packages.read_text()
     assert key in original, original
     fp.write_text(original.replace(key, key.replace(": ", ": 0")))      # a "new" version of this target's toolchain
@@ -168,13 +175,47 @@ def test_fingerprint_change_rebuilds_only_that_target_and_a_revert_restores_from
         assert all(s.startswith(("compile@", "validate@")) and f"-{target}-" in s for s in now), now
         r = dvc(repo, "repro", "-s", address(f"compile@{engine}"))         # built with the "new" toolchain
         assert r.returncode == 0 and ran(r.stdout) == {f"compile@{engine}"}, r.stdout
+        if target == "openvino-cpu":
+            upgrade_report(repo, engine)
     finally:
         fp.write_text(original)
         packages.write_text(packages_before)
+        if target == "openvino-cpu":
+            git(repo, "reset", "-q", "--soft", "HEAD~1")
     back = dvc(repo, "repro", "-s", address(f"compile@{engine}"))          # the old toolchain again
     assert back.returncode == 0 and not ran(back.stdout), back.stdout          # not compiled: restored
     assert "restored" in back.stdout.lower() or "cached" in back.stdout.lower(), back.stdout
     assert stale(repo) == set()
+
+
+def git(root: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+def upgrade_report(repo: Path, engine: str) -> None:
+    """After an OpenVINO "upgrade" rebuilt `engine` (production: v1): the lock classes hold (the rebuild is host-bound,
+    nothing else moved), and the upgrade report compares exactly that engine with production v1 — the same real
+    OpenVINO built it, so the same bytes (the target's reproducibility claim), verdict `same` — names the toolchain
+    change, and logs the row for `kiln promote --system`."""
+    classes = kiln(repo, "lock-classes")
+    assert classes.returncode == 0, classes.stdout[-3000:] + classes.stderr[-2000:]
+    out = repo / "upgrade.json"
+    r = kiln(repo, "upgrade-report", "--json", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [row["engine"] for row in doc["rows"]] == [engine], r.stdout
+    row = doc["rows"][0]
+    assert (row["production"], row["candidate"], row["verdict"], row["identical"]) == (1, "v1", "same", True), row
+    assert row["max_abs"] == 0.0 and row["cosine_min"] == 1.0 and row["why"] == ["identical files"], row
+    assert any(c.startswith("target.openvino-cpu.openvino: 2026") and "→ 02026" in c for c in row["changed"]), row
+    assert row["gate"]["production"]["verdict"] == row["gate"]["candidate"]["verdict"] == "pass"
+    assert set(row["latency"]) == {"1", "8"} and all(len(x["rounds"]) == 5 for x in row["latency"].values())
+    assert f"| {engine} " in r.stdout and f"{engine}: same against production v1 (identical files)" in r.stdout
+    assert doc["runs"][engine] in r.stdout and "kiln-upgrades" in r.stdout
+    skipped = doc["skipped"]
+    assert skipped["embedder-ort-cpu-fp32"] == "no production version", skipped
+    out.unlink()
+    print("\n" + "\n".join(line for line in r.stdout.splitlines() if line.startswith(("|", "upgrade report"))))
 
 
 def repo_engines(root: Path, target: str) -> list[str]:

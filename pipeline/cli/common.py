@@ -67,6 +67,8 @@ def print_system_move(s) -> None:
         print(f"gallery-compat: {shown(s.compat.summary(), 1000)}")
     if getattr(s, "shadow", None):
         print(f"shadow: {shown(s.shadow, 1000)}")
+    for line in getattr(s, "upgrades", ()):
+        print(shown(line, 1000))
     for m in (*s.parts, *s.retired, s.system):
         print_move(m)
 

@@ -17,14 +17,15 @@ from pathlib import Path
 
 from pipeline.cli import (targets, identify, compare, mixed, verify, provenance, keygen, release, verify_release,
                           push, report, plan, lock_classes, rebuild_check, promote, rollback, history,
-                          register_system, re_enroll, gallery_compat, validate_release, profile, registry)
+                          register_system, re_enroll, gallery_compat, validate_release, profile, registry,
+                          upgrade_report)
 from pipeline.dagtools import catalog
 from pipeline.stage import printable_streams, report_errors
 
 # `kiln --help` lists them in this order; each module: NAME, HELP, arguments(parser), run(args) -> exit code
 COMMANDS = (targets, identify, compare, mixed, verify, provenance, keygen, release, verify_release, push, report, plan,
             lock_classes, rebuild_check, promote, rollback, history, register_system, re_enroll, gallery_compat,
-            validate_release, profile, registry)
+            validate_release, upgrade_report, profile, registry)
 FORWARDED = {"dag": "render dvc.yaml from the stage declarations (--check: fail if stale; --write: rewrite)",
              "deps": "one stage's dependencies: its derived code closure and its data (e.g. kiln deps "
                      "compile@embedder-ort-cpu-int8)"}

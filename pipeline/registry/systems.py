@@ -22,6 +22,8 @@ required`, refused unless `re_enroll` (recorded in the move's reason and its run
 `production` moves to its pinned version and the system's last, under the system's lock and the parts' locks taken
 in sorted order (an engine promotion takes one part lock: no lock order can deadlock). `rollback` restores every
 part of the previous production version of the system at once; `history` is the engines' (`kiln-releases`).
+A part whose production version `kiln upgrade-report` compared with this very build (a toolchain rebuild) has the
+report's verdict recorded with the move (pipeline/registry/upgrades.py).
 A part of the old version that is another registered model (the INT8 embedder replaced by the FP32 one) keeps its
 own `production`: the system's production version names what is deployed.
 """
@@ -48,6 +50,7 @@ from pipeline.errors import GateFailed, KilnError
 from pipeline.manifest import (artifact_digest, check_files, identity_digest, manifest_path,
                                read_manifest, verify_manifest)
 from pipeline.registry.client import Registry, errors, redact, registered_name
+from pipeline.registry import upgrades
 from pipeline.registry.registration import (complete_registration, end_killed_runs, ensure_registered_model,
                                             flat_params, log_model, numeric_metrics)
 from pipeline.registry.aliases import (CANDIDATE, KILN_DIR, PARAM, PRODUCTION, AliasMove, Verified, logged_binding,
@@ -90,6 +93,7 @@ class SystemMove:
     re_enroll: bool = False
     retired: tuple[AliasMove, ...] = ()   # parts of the old production version it no longer runs: alias removed
     shadow: str | None = None             # the shadow report recorded with it (pipeline/registry/shadow.py)
+    upgrades: tuple[str, ...] = ()        # upgrade reports of the parts it moves (pipeline/registry/upgrades.py)
 
 
 # ---------------------------------------------------------------------------------------------- the local system
@@ -355,7 +359,7 @@ def _compat_record(compat, current: int | None, re_enroll: bool) -> dict[str, st
 
 def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action: str, actor: str | None,
               reason: str | None, summary: str, compat, re_enroll: bool, current: int | None,
-              shadow: dict | None = None) -> SystemMove:
+              shadow: dict | None = None, reports: dict[str, dict[str, str]] | None = None) -> SystemMove:
     """Every part's production to its pin; the parts of the current production version the new one does not run
     (another embedder model or build registered apart) lose their engine-level `production`, unless another
     production system pins them; then the system's. Under the parts' locks in sorted order (the caller holds the
@@ -371,7 +375,8 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
         from pipeline.registry import shadow as shadow_report
 
         seen = shadow_report.record(shadow)[shadow_report.HEAD + "summary"]
-    text = "; ".join(x for x in (reason, note, seen) if x) or None
+    upgraded = upgrades.lines(reports or {})
+    text = "; ".join(x for x in (reason, note, seen, *upgraded) if x) or None
     mine = {p.registered_model for p in v.parts}
     old = {p.registered_model for p in pins(reg, name, current)} if current not in (None, version) else set()
     with ExitStack() as stack:
@@ -389,6 +394,7 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
         extra = {**_compat_record(compat, current, re_enroll)}
         if shadow is not None:
             extra.update(shadow_report.record(shadow))
+        extra.update(upgrades.record(reports or {}))
         m = record_move(reg, name, version, action, actor, text, summary, extra)
     if m.changed and compat is not None:          # the record's own tags, beside its reason (display)
         run_id = (reg.version(name, version).tags or {}).get(f"{PRODUCTION}_release_run")
@@ -396,7 +402,7 @@ def _move_all(reg: Registry, name: str, version: int, v: VerifiedSystem, action:
             reg.client.set_tag(run_id, "gallery_compat", compat.verdict)
             reg.client.set_tag(run_id, "re_enroll", str(bool(re_enroll and compat.failures)).lower())
     return SystemMove(m, tuple(part_moves), compat, bool(re_enroll and compat is not None and compat.failures),
-                      tuple(retired), seen)
+                      tuple(retired), seen, tuple(upgraded))
 
 
 def require_model(reg: Registry, name: str) -> None:
@@ -494,8 +500,10 @@ def promote(cfg: Config, system: str, version: int | str, root: Path = Path(".")
 
                 shadow_report.check(shadow, name, version, v, current)
             compat = _compat_gate(cfg, reg, name, version, v, current, root, Path(tmp), re_enroll, "promote")
+            running = {p.registered_model: x for p in v.parts
+                       if (x := reg.aliases(p.registered_model).get(PRODUCTION)) is not None}
             return _move_all(reg, name, version, v, "promote", actor, reason, summary, compat, re_enroll, current,
-                             shadow)
+                             shadow, upgrades.found(reg, v.parts, running))
 
 
 def rollback(cfg: Config, system: str, root: Path = Path("."), actor: str | None = None, reason: str | None = None,
