@@ -206,7 +206,8 @@ def upgrade_report(repo: Path, engine: str) -> None:
     assert [row["engine"] for row in doc["rows"]] == [engine], r.stdout
     row = doc["rows"][0]
     assert (row["production"], row["candidate"], row["verdict"], row["identical"]) == (1, "v1", "same", True), row
-    assert row["max_abs"] == 0.0 and row["cosine_min"] == 1.0 and row["why"] == ["identical files"], row
+    assert row["max_abs"] == 0.0 and row["cosine_min"] == pytest.approx(1.0, abs=1e-12), row
+    assert row["why"] == ["identical files"], row
     assert any(c.startswith("target.openvino-cpu.openvino: 2026") and "→ 02026" in c for c in row["changed"]), row
     assert row["gate"]["production"]["verdict"] == row["gate"]["candidate"]["verdict"] == "pass"
     assert set(row["latency"]) == {"1", "8"} and all(len(x["rounds"]) == 5 for x in row["latency"].values())

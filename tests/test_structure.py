@@ -710,3 +710,34 @@ def test_tests_mirror_the_source_and_name_every_module():
         assert not test or re.search(rf"(?m)^def {test}\(", (REPO / file).read_text(encoding="utf-8")), ref
     stale = [k for k in COVERED_THROUGH if not any(m == k or m.startswith(k) for m in mods)]
     assert not stale, f"COVERED_THROUGH names what is no module: {stale}"
+
+
+def test_the_distributions_of_imports_are_metadata_s_answer_kept_per_installed_set(tmp_path, monkeypatch):
+    """A stage's package versions come from packages_distributions(), kept beside the environment: the kept answer is
+    metadata's, one that is not a mapping is asked again, and another installed set (a package added) is another
+    key whose answer replaces the old one."""
+    import json
+    import sys
+    from importlib import metadata
+
+    from pipeline import closure
+
+    asked = {k: list(v) for k, v in metadata.packages_distributions().items()}
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    closure._distributions.cache_clear()
+    try:
+        assert closure._distributions() == asked
+        (kept,) = tmp_path.glob(f"{closure.DISTRIBUTIONS_CACHE}*.json")
+        assert json.loads(kept.read_text(encoding="utf-8")) == asked
+        kept.write_text('["not a mapping"]', encoding="utf-8")
+        closure._distributions.cache_clear()
+        assert closure._distributions() == asked and json.loads(kept.read_text(encoding="utf-8")) == asked
+        site = tmp_path / "site"
+        (site / "newpkg-1.0.dist-info").mkdir(parents=True)
+        monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
+        closure._distributions.cache_clear()
+        assert closure._distributions() == asked                     # not a real install: metadata's answer again
+        (now,) = tmp_path.glob(f"{closure.DISTRIBUTIONS_CACHE}*.json")
+        assert now != kept and not kept.exists()
+    finally:
+        closure._distributions.cache_clear()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kiln_runtime.mtcnn import box_iou  # noqa: F401 — the one pairing rule (system@, the shadow rollout)
 from pipeline import paths
 from pipeline.roles import inputs
 
@@ -17,14 +18,6 @@ if TYPE_CHECKING:
     from pipeline.roles.mtcnn import MtcnnNet
     from pipeline.roles.retinaface import RetinaFace
     from pipeline.roles.singleshot import SingleShot
-
-
-def box_iou(a, b) -> float:
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
 
 
 def lfw_crops(size: int, preprocess=None) -> tuple[np.ndarray, np.ndarray]:

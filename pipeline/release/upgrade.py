@@ -277,10 +277,13 @@ def table(report: Report) -> str:
 
 
 def _short(changed: list[str]) -> str:
+    """The first toolchain change as `leaf: old → new`, each side cut to 16 characters (--json has them whole)."""
     if not changed:
         return "(none)"
-    first = changed[0] if len(changed[0]) <= 48 else changed[0][:45] + "…"
-    return first + (f" (+{len(changed) - 1})" if len(changed) > 1 else "")
+    key, _, values = changed[0].partition(": ")
+    old, _, new = values.partition(" → ")
+    cut = [v if len(v) <= 16 else v[:15] + "…" for v in (old, new)]
+    return f"{key.rsplit('.', 1)[-1]}: {cut[0]} → {cut[1]}" + (f" (+{len(changed) - 1})" if len(changed) > 1 else "")
 
 
 def _key_metric(r: Row) -> str:

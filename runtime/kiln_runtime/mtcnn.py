@@ -77,6 +77,16 @@ def pyramid_scales(h: int, w: int, cfg: DetectorConfig = DetectorConfig()) -> li
     return scales
 
 
+def box_iou(a, b) -> float:
+    """Intersection over union of two [x1, y1, x2, y2] boxes: how a gate (system@, the detector gate) and a shadow
+    rollout pair one detector's face with another's."""
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
 def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float, mode: str = "union") -> np.ndarray:
     """Greedy NMS; returns kept indices, best score first (equal scores: lower index first). A box is dropped
     when its overlap with a kept one is > threshold; overlap = intersection / union ("union") or / smaller area

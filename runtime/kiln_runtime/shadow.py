@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln_runtime.errors import KilnError
+from kiln_runtime.mtcnn import box_iou
 
 FORMAT = "kiln-shadow/1"
 MATCH_IOU = 0.5                # pipeline/gates/system.py's pairing rule
@@ -54,14 +55,6 @@ LIVE_WINDOW = 10_000           # compared frames the live percentiles (/v1/shado
 
 
 # ---------------------------------------------------------------------------------------------- comparing
-def box_iou(a, b) -> float:
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
-
 def compare(prod: list, cand: list) -> dict[str, Any]:
     """One frame: production's matches against the candidate's (kiln_runtime.system.Match lists, best first)."""
     used: set[int] = set()
