@@ -145,10 +145,10 @@ def installed_key() -> str:
 
 @lru_cache(maxsize=None)
 def _distributions() -> dict[str, list[str]]:
-    """importlib.metadata.packages_distributions(), which reads every installed distribution's RECORD: 0.5-0.8 s of
-    each stage that writes a manifest on a 2-core host, about a minute of a cold DAG. Kept beside the environment it
-    describes (sys.prefix), under `installed_key`: a package added, removed or bumped is another key, so the answer
-    is the one metadata gives. A read-only environment asks metadata every time."""
+    """importlib.metadata.packages_distributions(), which reads every installed distribution's RECORD on each call
+    (0.2 s on an idle 2-core Zen 4, 0.8 s beside a busy core) in every stage that writes a manifest. Kept beside the
+    environment it describes (sys.prefix), under `installed_key`: a package added, removed or bumped is another key,
+    so the answer is the one metadata gives. A read-only environment asks metadata every time."""
     import json
     import os
     from importlib import metadata

@@ -249,6 +249,40 @@ def test_promote_int8_system_then_roll_back_every_part(sysroot, registry_env, tm
 
 
 @slow
+def test_a_system_promotion_records_the_upgrade_report_of_a_rebuilt_part(sysroot, registry_env, tmp_path):
+    """P-Net rebuilt (ONNX Runtime's offline optimization at `extended`: other bytes, the same net) and registered as
+    v2; `kiln upgrade-report --all` sets it beside production v1 on this host; the system version that pins it then
+    carries that report's verdict into its promotion record, and a rollback returns the part to v1."""
+    from pipeline.release import upgrade
+
+    pnet = "pnet-ort-cpu-fp32"
+    c32, _ = two_versions(sysroot)
+    systems.promote(c32, SYSTEM, 1, sysroot["root"])
+    root = tmp_path / "rebuilt"                                  # the rebuild in a copy: the module's root stays
+    shutil.copytree(sysroot["root"], root, symlinks=True)
+    ext = config.load(write_params(tmp_path, _variant(FP32, targets={"ort-cpu": {**c32.section(
+        "targets", "ort-cpu"), "graph_optimization": "extended"}})))
+    compile_stage.run(ext, pnet, root, check=False)
+    assert validate.run(ext, pnet, root).passed
+    assert register_stage.run(ext, pnet, root).version == 2                          # other bytes: a new version
+    assert system_stage.run(ext, SYSTEM, root)["verdict"] == "pass"
+    assert systems.register_system(ext, SYSTEM, root).version == 3
+    report = upgrade.run(ext, root, [pnet], every=True, progress=lambda _: None)
+    (row,) = report.rows
+    assert (row.production, row.candidate, row.changed, row.identical) == (1, "v2", [], False), row
+    assert row.verdict != upgrade.DIFFERS and row.cosine_min > 0.9999, row
+    assert row.systems == [f"{NAME} v1"] and set(report.runs) == {pnet}
+    move = systems.promote(ext, SYSTEM, 3, root)
+    assert move.upgrades == (f"upgrade report: {row.line()}",)
+    assert f"upgrade report: {pnet}: {row.verdict} against production v1" in move.system.reason
+    got = aliases.recorded(aliases.Registry(ext, root), NAME, 3, "upgrade")
+    assert got == {f"kiln-{pnet}": f"{row.line()} (run {report.runs[pnet]})"}
+    assert production(f"kiln-{pnet}") == 2
+    systems.rollback(ext, SYSTEM, root)
+    assert production(NAME) == 1 and production(f"kiln-{pnet}") == 1
+
+
+@slow
 def test_an_incompatible_embedder_needs_re_enroll(sysroot, registry_env, tmp_path, capsys, monkeypatch):
     """Limits no engine change can meet (distance_delta_max 0): INT8 is `re-enroll required` against the FP32
     gallery; promote refuses it, moving nothing, and with --re-enroll moves it, recorded in the history."""
