@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from pipeline.config import Config, OutputLimits
 
 DIFFERS, WORSE, BETTER, SAME = "differs", "worse", "better", "same"
+UNCHANGED = ("the production version", "toolchain unchanged")     # skipped: nothing to compare, one summary line
 
 
 # ---------------------------------------------------------------------------------------------- verdicts (pure)
@@ -212,6 +213,7 @@ def run(cfg: Config, root: Path = Path("."), only: list[str] | None = None, ever
                 skipped[engine] = "not built in this checkout"
                 continue
             local = read_manifest(mpath)
+            sha, ident = artifact_digest(local), identity_digest(local)
             name = registered_name(cfg, engine)
             found = reg.client.search_registered_models(filter_string=f"name = '{name}'")
             current = reg.aliases(name).get(PRODUCTION) if found else None
@@ -223,7 +225,7 @@ def run(cfg: Config, root: Path = Path("."), only: list[str] | None = None, ever
             prod_sha = params.get(PARAM + "sha256", "")
             mine = flat_params("toolchain", local.get("toolchain") or {})
             same_toolchain = _toolchain_params(params) == mine
-            if prod_sha == artifact_digest(local) and identity_digest(local) == params.get(PARAM + "manifest_xxh3_128"):
+            if prod_sha == sha and ident == params.get(PARAM + "manifest_xxh3_128"):
                 skipped[engine] = f"the production version v{current} is this build"
                 continue
             if same_toolchain and not every:
@@ -231,13 +233,13 @@ def run(cfg: Config, root: Path = Path("."), only: list[str] | None = None, ever
                 continue
             v = download_verified(reg, name, current, Path(tmp) / engine)
             registered = reg.client.search_model_versions(f"name = '{name}' and tags.sha256 = "
-                                                          f"'{artifact_digest(local)}'")
+                                                          f"'{sha}'")
             row = Row(engine, name, current, f"v{registered[0].version}" if registered else "local build",
-                      artifact_digest(local), identity_digest(local), prod_sha,
+                      sha, ident, prod_sha,
                       toolchain_changes(v.manifest.get("toolchain") or {}, local.get("toolchain") or {}),
                       sorted(f"{p.system} v{p.system_version}" for p in pins
                              if p.registered_model == name and p.version == current),
-                      identical=prod_sha == artifact_digest(local))
+                      identical=prod_sha == sha)
             progress(f"upgrade-report: {engine}: production v{current} against {row.candidate}")
             rows.append(compare_engine(cfg, row, v.directory, root, progress))
         report = Report(rows, skipped, toolchain.host_class())
@@ -268,9 +270,8 @@ def table(report: Report) -> str:
              "version, side by side in one run"]
     lines += tables.markdown(head, body).splitlines() if body else ["(no engine to compare)"]
     lines += [f"  {r.line()}" for r in report.rows]
-    lines += [f"  {e}: not in the table — {why}" for e, why in sorted(report.skipped.items())
-              if not why.startswith(("the production version", "toolchain unchanged"))]
-    quiet = [e for e, why in report.skipped.items() if why.startswith(("the production version", "toolchain unch"))]
+    quiet = [e for e, why in report.skipped.items() if why.startswith(UNCHANGED)]
+    lines += [f"  {e}: not in the table — {why}" for e, why in sorted(report.skipped.items()) if e not in quiet]
     if quiet:
         lines.append(f"  {len(quiet)} other engine(s): production runs this build, or its toolchain is unchanged")
     return "\n".join(lines)
